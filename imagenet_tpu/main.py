@@ -1,0 +1,154 @@
+"""Command line: absl flags -> Config -> train.train_and_evaluate. The only module that defines flags.
+
+    imagenet-tpu-train --flagfile=flags/demo.cfg
+    imagenet-tpu-train --flagfile=flags/tpu_v3_8.cfg --data_dir=gs://... --model_dir=gs://...
+
+Bad input (missing data, settings that cannot work) ends with one line `error: ...` on stderr and exit status 2.
+"""
+
+import os
+import re
+import sys
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # keep TensorFlow's C++ start-up chatter out of the progress
+
+from absl import app, flags, logging
+import tensorflow as tf
+import tf_keras as keras
+
+from imagenet_tpu import strategy, train
+from imagenet_tpu.config import Config, ConfigError
+
+_DEFAULTS = Config()
+
+# Data.
+_DATA_DIR = flags.DEFINE_string('data_dir', None, 'Directory of train-*-of-* and validation-*-of-* TFRecord shards.')
+_SYNTHETIC_DATA = flags.DEFINE_bool('synthetic_data', False, 'Train on one fixed random batch (no input cost, '
+                                    'no evaluation): measures the model alone.')
+_NUM_CLASSES = flags.DEFINE_integer('num_classes', _DEFAULTS.num_classes, 'Classes the model predicts.')
+_LABEL_OFFSET = flags.DEFINE_integer(
+    'label_offset', _DEFAULTS.label_offset,
+    'On-disk label of model class 0. ImageNet shards store 1..1000: 1 with --num_classes=1000, '
+    'or 0 with --num_classes=1001 (unused background class 0).')
+_NUM_TRAIN_IMAGES = flags.DEFINE_integer('num_train_images', _DEFAULTS.num_train_images,
+                                         'Images in one training epoch (ImageNet: 1,281,167).')
+_NUM_EVAL_IMAGES = flags.DEFINE_integer('num_eval_images', _DEFAULTS.num_eval_images,
+                                        'Validation images (ImageNet: 50,000); all are evaluated.')
+_IMAGE_SIZE = flags.DEFINE_integer('image_size', _DEFAULTS.image_size, 'Network input side, in pixels.')
+_RANDOM_CROP_MIN_AREA = flags.DEFINE_float('random_crop_min_area', _DEFAULTS.random_crop_min_area,
+                                           'Smallest random crop as a fraction of the image area (Inception: 0.08).')
+_RANDOM_FLIP = flags.DEFINE_bool('random_flip', _DEFAULTS.random_flip, 'Random left-right flips in training.')
+_SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', _DEFAULTS.shuffle_buffer,
+                                       'Records in the shuffle buffer of each input pipeline.')
+
+# Model.
+_DEPTH = flags.DEFINE_enum('depth', str(_DEFAULTS.depth), ['18', '34', '50', '101', '152', '200'], 'ResNet depth.')
+_NORM = flags.DEFINE_enum('norm', _DEFAULTS.norm, ['batch_norm', 'none'], 'Normalization layers.')
+_BN_MOMENTUM = flags.DEFINE_float('bn_momentum', _DEFAULTS.bn_momentum,
+                                  'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short runs).')
+_BN_EPSILON = flags.DEFINE_float('bn_epsilon', _DEFAULTS.bn_epsilon, 'Batch-norm epsilon.')
+
+# Optimization.
+_GLOBAL_BATCH_SIZE = flags.DEFINE_integer('global_batch_size', _DEFAULTS.global_batch_size,
+                                          'Images per training step, summed over all replicas.')
+_EVAL_BATCH_SIZE = flags.DEFINE_integer('eval_batch_size', _DEFAULTS.eval_batch_size,
+                                        'Images per evaluation step, summed over all replicas.')
+_TRAIN_EPOCHS = flags.DEFINE_float('train_epochs', _DEFAULTS.train_epochs, 'Length of training, in epochs.')
+_BASE_LEARNING_RATE = flags.DEFINE_float(
+    'base_learning_rate', _DEFAULTS.base_learning_rate,
+    'Learning rate per 256 images; the peak is base_learning_rate * global_batch_size / 256 (Goyal et al.).')
+_MOMENTUM = flags.DEFINE_float('momentum', _DEFAULTS.momentum, 'SGD momentum.')
+_WEIGHT_DECAY = flags.DEFINE_float('weight_decay', _DEFAULTS.weight_decay,
+                                   'L2 weight decay on kernels (never on batch-norm parameters or biases).')
+_LABEL_SMOOTHING = flags.DEFINE_float('label_smoothing', _DEFAULTS.label_smoothing,
+                                      'Label smoothing (0.1 in the large-batch recipes).')
+_WARMUP_EPOCHS = flags.DEFINE_float('warmup_epochs', _DEFAULTS.warmup_epochs, 'Linear warm-up from 0, in epochs.')
+_LR_DECAY = flags.DEFINE_enum('lr_decay', _DEFAULTS.lr_decay, ['step', 'polynomial', 'cosine'],
+                              'Decay after warm-up.')
+_LR_DECAY_EPOCHS = flags.DEFINE_list('lr_decay_epochs', [str(e) for e in _DEFAULTS.lr_decay_epochs],
+                                     "Epochs at which 'step' decay multiplies the rate by 0.1.")
+_END_LEARNING_RATE = flags.DEFINE_float('end_learning_rate', _DEFAULTS.end_learning_rate,
+                                        "Final rate of 'polynomial' decay.")
+_POLYNOMIAL_POWER = flags.DEFINE_float('polynomial_power', _DEFAULTS.polynomial_power,
+                                       "Power of 'polynomial' decay (MLPerf: 2).")
+
+# Distribution.
+_STRATEGY = flags.DEFINE_string('strategy', _DEFAULTS.strategy,
+                                "'cpu' (N logical CPU devices), 'mirrored' (local GPUs), 'multi_worker' "
+                                "(TF_CONFIG), 'tpu' or 'default' (no distribution).")
+_NUM_CPU_DEVICES = flags.DEFINE_integer('num_cpu_devices', _DEFAULTS.num_cpu_devices,
+                                        "Logical CPU devices (replicas) for --strategy=cpu.")
+_TPU = flags.DEFINE_string('tpu', _DEFAULTS.tpu, "TPU name, or 'local' on a TPU VM.")
+
+# Run.
+_MODEL_DIR = flags.DEFINE_string('model_dir', None, 'Checkpoints, TensorBoard logs and results.json; a run '
+                                 'restarted with the same model_dir resumes from its latest checkpoint.')
+_CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer('checkpoint_every_steps', _DEFAULTS.checkpoint_every_steps,
+                                               'Steps between checkpoints (one more is written at the end).')
+_EVAL_EVERY_EPOCHS = flags.DEFINE_integer('eval_every_epochs', _DEFAULTS.eval_every_epochs,
+                                          'Epochs between evaluations on the validation set.')
+_LOG_EVERY_STEPS = flags.DEFINE_integer('log_every_steps', _DEFAULTS.log_every_steps,
+                                        'Steps between progress lines inside an epoch (0: once per epoch).')
+_SEED = flags.DEFINE_integer('seed', None, 'Seed of shuffles and initialization (None: random).')
+
+
+def config_from_flags() -> Config:
+    return Config(
+        data_dir=_DATA_DIR.value, num_classes=_NUM_CLASSES.value, label_offset=_LABEL_OFFSET.value,
+        num_train_images=_NUM_TRAIN_IMAGES.value, num_eval_images=_NUM_EVAL_IMAGES.value,
+        image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value,
+        random_flip=_RANDOM_FLIP.value, shuffle_buffer=_SHUFFLE_BUFFER.value,
+        depth=int(_DEPTH.value), norm=_NORM.value, bn_momentum=_BN_MOMENTUM.value, bn_epsilon=_BN_EPSILON.value,
+        global_batch_size=_GLOBAL_BATCH_SIZE.value, eval_batch_size=_EVAL_BATCH_SIZE.value,
+        train_epochs=_TRAIN_EPOCHS.value, base_learning_rate=_BASE_LEARNING_RATE.value, momentum=_MOMENTUM.value,
+        weight_decay=_WEIGHT_DECAY.value, label_smoothing=_LABEL_SMOOTHING.value,
+        warmup_epochs=_WARMUP_EPOCHS.value, lr_decay=_LR_DECAY.value,
+        lr_decay_epochs=tuple(float(e) for e in _LR_DECAY_EPOCHS.value),
+        end_learning_rate=_END_LEARNING_RATE.value, polynomial_power=_POLYNOMIAL_POWER.value,
+        strategy=_STRATEGY.value, num_cpu_devices=_NUM_CPU_DEVICES.value, tpu=_TPU.value,
+        model_dir=_MODEL_DIR.value, checkpoint_every_steps=_CHECKPOINT_EVERY_STEPS.value,
+        eval_every_epochs=_EVAL_EVERY_EPOCHS.value, log_every_steps=_LOG_EVERY_STEPS.value, seed=_SEED.value)
+
+
+def fail(message: str) -> None:
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel('WARNING')
+    if len(argv) > 1:
+        fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    try:
+        config = config_from_flags()
+        # Logical CPU devices must exist before anything initializes TensorFlow's devices.
+        if config.strategy == 'cpu':
+            strategy.use_logical_cpus(config.num_cpu_devices)
+        if config.seed is not None:
+            keras.utils.set_random_seed(config.seed)
+        train.train_and_evaluate(config, synthetic=_SYNTHETIC_DATA.value)
+    except ConfigError as error:
+        fail(str(error))
+    except tf.errors.InvalidArgumentError as error:
+        # Raised inside the input pipeline, e.g. by tfrecord.to_model_label for a label outside the range.
+        fail(summarize_graph_error(error.message))
+
+
+def summarize_graph_error(message: str) -> str:
+    """The line of a TensorFlow runtime error that says what went wrong (not the stack of graph nodes)."""
+    assertion = re.search(r'assertion failed: \[([^\]]*)\]', message)
+    if assertion:
+        return assertion.group(1)
+    lines = [line.strip() for line in message.splitlines()
+             if line.strip() and not line.startswith((' ', '\t')) and 'Graph execution error' not in line
+             and not line.startswith('Detected at node')]
+    return lines[-1] if lines else message.strip()
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == '__main__':
+    run()

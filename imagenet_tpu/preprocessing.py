@@ -1,0 +1,67 @@
+"""Per-example image operations: decode fused with the crop, flip, resize, normalize.
+
+Every function takes one encoded JPEG (string scalar) and returns a float image [size, size, 3] normalized with
+ImageNet's per-channel mean and standard deviation. Decoding only the crop window
+(tf.image.decode_and_crop_jpeg) skips the IDCT of the discarded pixels, the fused decode-and-crop of Ying et al.
+"""
+
+import tensorflow as tf
+
+# ImageNet RGB statistics on the 0..255 scale.
+MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+# Evaluation keeps the central 87.5% of the shorter side (224 of 256, the usual ImageNet protocol).
+EVAL_CROP_FRACTION = 0.875
+
+
+def normalize(image: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """uint8 or float [H, W, 3] in 0..255 -> (image - mean) / stddev in ``dtype``."""
+    image = (tf.cast(image, tf.float32) - MEAN_RGB) / STDDEV_RGB
+    return tf.cast(image, dtype)
+
+
+def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:
+    return tf.image.resize(image, [image_size, image_size], method=tf.image.ResizeMethod.BILINEAR)
+
+
+def random_crop_window(encoded: tf.Tensor, boxes: tf.Tensor, min_area: float = 0.08,
+                       aspect_ratio_range=(3 / 4, 4 / 3), max_attempts: int = 10) -> tf.Tensor:
+    """Inception-style random crop window [y, x, height, width] (int32) sampled around ``boxes``.
+
+    ``boxes``: float32 [num_boxes, 4] as (ymin, xmin, ymax, xmax) in [0, 1]; empty means the whole image.
+    The window covers ``min_area``..1 of the image and at least 10% of some box; after ``max_attempts``
+    failures it is the whole image.
+    """
+    shape = tf.image.extract_jpeg_shape(encoded)
+    boxes = tf.cond(tf.shape(boxes)[0] > 0, lambda: boxes, lambda: tf.constant([[0.0, 0.0, 1.0, 1.0]]))
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        shape, bounding_boxes=boxes[tf.newaxis], seed=tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32),
+        min_object_covered=0.1, aspect_ratio_range=aspect_ratio_range, area_range=(min_area, 1.0),
+        max_attempts=max_attempts, use_image_if_no_bounding_boxes=True)
+    return tf.stack([begin[0], begin[1], size[0], size[1]])
+
+
+def preprocess_for_train(encoded: tf.Tensor, boxes: tf.Tensor, image_size: int, *, min_area: float = 0.08,
+                         flip: bool = True, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """Random-resized crop (decoded fused with the crop), random left-right flip, resize, normalize."""
+    window = random_crop_window(encoded, boxes, min_area=min_area)
+    image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
+    if flip:
+        image = tf.image.random_flip_left_right(image)
+    return normalize(_resize(image, image_size), dtype)
+
+
+def center_crop_window(encoded: tf.Tensor, fraction: float = EVAL_CROP_FRACTION) -> tf.Tensor:
+    """Square window [y, x, side, side] (int32) of ``fraction`` of the shorter side, centred."""
+    shape = tf.image.extract_jpeg_shape(encoded)
+    height, width = shape[0], shape[1]
+    side = tf.cast(fraction * tf.cast(tf.minimum(height, width), tf.float32), tf.int32)
+    side = tf.maximum(side, 1)
+    return tf.stack([(height - side + 1) // 2, (width - side + 1) // 2, side, side])
+
+
+def preprocess_for_eval(encoded: tf.Tensor, image_size: int, *, dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """Central crop of 87.5% of the shorter side (decoded fused with the crop), resize, normalize."""
+    image = tf.image.decode_and_crop_jpeg(encoded, center_crop_window(encoded), channels=3)
+    return normalize(_resize(image, image_size), dtype)

@@ -1,0 +1,108 @@
+"""Keras ResNet v1.5 (He et al. 2016, with the stride on the 3x3 convolution), depths 18 to 200.
+
+The normalization layer is passed in as a factory, so the same network runs with Keras batch norm, replica-group
+batch norm or none at all. The last normalization of every residual branch starts with gamma = 0, so each block
+starts as the identity (Goyal et al. 2017), as in the large-batch recipes.
+
+ResNet-50 at 1000 classes has 25,557,032 parameters (torchvision's count for the same network).
+"""
+
+import functools
+from typing import Callable, Optional
+
+import tf_keras as keras
+
+# depth -> (block kind, blocks per stage)
+DEPTHS = {
+    18: ('basic', (2, 2, 2, 2)),
+    34: ('basic', (3, 4, 6, 3)),
+    50: ('bottleneck', (3, 4, 6, 3)),
+    101: ('bottleneck', (3, 4, 23, 3)),
+    152: ('bottleneck', (3, 8, 36, 3)),
+    200: ('bottleneck', (3, 24, 36, 3)),
+}
+STAGE_WIDTHS = (64, 128, 256, 512)
+BOTTLENECK_EXPANSION = 4
+
+# NormFactory(name, zero_gamma) -> a Keras layer applied to channels-last feature maps.
+NormFactory = Callable[[str, bool], keras.layers.Layer]
+
+
+def batch_norm_factory(momentum: float = 0.9, epsilon: float = 1e-5) -> NormFactory:
+    """Keras BatchNormalization with the recipes' momentum and epsilon (per replica under a strategy)."""
+    def make(name: str, zero_gamma: bool) -> keras.layers.Layer:
+        return keras.layers.BatchNormalization(
+            momentum=momentum, epsilon=epsilon, name=name,
+            gamma_initializer='zeros' if zero_gamma else 'ones')
+    return make
+
+
+def no_norm_factory(name: str, zero_gamma: bool) -> keras.layers.Layer:
+    """No normalization: an identity layer (for tests that need replica-independent forward passes)."""
+    del zero_gamma
+    return keras.layers.Identity(name=name)
+
+
+def _conv(filters: int, kernel_size: int, strides: int, name: str) -> keras.layers.Layer:
+    return keras.layers.Conv2D(
+        filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
+        kernel_initializer=keras.initializers.VarianceScaling(2.0, 'fan_out', 'truncated_normal'))
+
+
+def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str):
+    shortcut = x
+    if strides != 1 or x.shape[-1] != filters:
+        shortcut = _conv(filters, 1, strides, f'{name}_proj')(x)
+        shortcut = norm(f'{name}_proj_bn', False)(shortcut)
+    x = _conv(filters, 3, strides, f'{name}_conv1')(x)
+    x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
+    x = _conv(filters, 3, 1, f'{name}_conv2')(x)
+    x = norm(f'{name}_bn2', True)(x)
+    return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
+
+
+def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: str):
+    out_filters = filters * BOTTLENECK_EXPANSION
+    shortcut = x
+    if strides != 1 or x.shape[-1] != out_filters:
+        shortcut = _conv(out_filters, 1, strides, f'{name}_proj')(x)
+        shortcut = norm(f'{name}_proj_bn', False)(shortcut)
+    x = _conv(filters, 1, 1, f'{name}_conv1')(x)
+    x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
+    x = _conv(filters, 3, strides, f'{name}_conv2')(x)  # v1.5: the stride sits on the 3x3 convolution
+    x = keras.layers.ReLU(name=f'{name}_relu2')(norm(f'{name}_bn2', False)(x))
+    x = _conv(out_filters, 1, 1, f'{name}_conv3')(x)
+    x = norm(f'{name}_bn3', True)(x)
+    return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
+
+
+def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
+           norm: Optional[NormFactory] = None, name: Optional[str] = None) -> keras.Model:
+    """A ResNet v1.5 classifier: images [batch, image_size, image_size, 3] -> logits [batch, num_classes] (float32).
+
+    ``norm`` makes each normalization layer (default: batch_norm_factory()).
+    """
+    if depth not in DEPTHS:
+        raise ValueError(f'unsupported ResNet depth {depth}; choose one of {sorted(DEPTHS)}')
+    kind, stage_blocks = DEPTHS[depth]
+    block = _basic_block if kind == 'basic' else _bottleneck_block
+    norm = norm or batch_norm_factory()
+
+    images = keras.Input((image_size, image_size, 3), name='images')
+    x = _conv(64, 7, 2, 'stem_conv')(images)
+    x = keras.layers.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
+    x = keras.layers.MaxPool2D(3, strides=2, padding='same', name='stem_pool')(x)
+    for stage, (blocks, filters) in enumerate(zip(stage_blocks, STAGE_WIDTHS)):
+        for index in range(blocks):
+            strides = 2 if index == 0 and stage > 0 else 1
+            x = block(x, filters, strides, norm, f'stage{stage + 1}_block{index + 1}')
+    x = keras.layers.GlobalAveragePooling2D(name='pool')(x)
+    logits = keras.layers.Dense(
+        num_classes, name='logits', kernel_initializer=keras.initializers.RandomNormal(stddev=0.01))(x)
+    # Logits in float32 also under a mixed-precision policy, so the loss and softmax are computed in float32.
+    logits = keras.layers.Activation('linear', dtype='float32', name='logits_float32')(logits)
+    return keras.Model(images, logits, name=name or f'resnet{depth}')
+
+
+ResNet18 = functools.partial(resnet, 18)
+ResNet50 = functools.partial(resnet, 50)

@@ -1,0 +1,74 @@
+"""Learning-rate schedules driven by the optimizer's step, each a serializable Keras LearningRateSchedule.
+
+All ramp linearly from 0 to the peak over ``warmup_steps`` (the rate at step s of the warm-up is
+peak * s / warmup_steps), then decay. Steps per epoch come from the dataset size and the global batch
+(Config.steps_per_epoch); the classes themselves only see steps.
+"""
+
+import math
+from typing import Sequence
+
+import tensorflow as tf
+import tf_keras as keras
+
+
+def _warmup(step, peak: float, warmup_steps: int):
+    return peak * step / max(1, warmup_steps)
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class WarmupStepDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up, then the peak multiplied by ``decay_factor`` at each of ``boundaries`` (Goyal et al.)."""
+
+    def __init__(self, peak: float, warmup_steps: int, boundaries: Sequence[int], decay_factor: float = 0.1):
+        self.peak, self.warmup_steps, self.decay_factor = peak, int(warmup_steps), decay_factor
+        self.boundaries = [int(b) for b in boundaries]
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        decays = tf.add_n([tf.cast(step >= b, tf.float32) for b in self.boundaries]) if self.boundaries else 0.0
+        decayed = self.peak * tf.pow(self.decay_factor, decays)
+        return tf.where(step < self.warmup_steps, _warmup(step, self.peak, self.warmup_steps), decayed)
+
+    def get_config(self):
+        return dict(peak=self.peak, warmup_steps=self.warmup_steps, boundaries=self.boundaries,
+                    decay_factor=self.decay_factor)
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class WarmupPolynomialDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up, then end + (peak - end) * (1 - t)^power with t going 0 -> 1 from the warm-up's end to
+    ``total_steps`` (MLPerf ResNet: power 2, end 1e-4); ``end`` after that."""
+
+    def __init__(self, peak: float, warmup_steps: int, total_steps: int, end: float = 1e-4, power: float = 2.0):
+        self.peak, self.warmup_steps, self.total_steps = peak, int(warmup_steps), int(total_steps)
+        self.end, self.power = end, power
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        progress = tf.clip_by_value(progress, 0.0, 1.0)
+        decayed = self.end + (self.peak - self.end) * tf.pow(1.0 - progress, self.power)
+        return tf.where(step < self.warmup_steps, _warmup(step, self.peak, self.warmup_steps), decayed)
+
+    def get_config(self):
+        return dict(peak=self.peak, warmup_steps=self.warmup_steps, total_steps=self.total_steps, end=self.end,
+                    power=self.power)
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class WarmupCosineDecay(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warm-up, then peak * (1 + cos(pi * t)) / 2 with t going 0 -> 1 until ``total_steps``."""
+
+    def __init__(self, peak: float, warmup_steps: int, total_steps: int):
+        self.peak, self.warmup_steps, self.total_steps = peak, int(warmup_steps), int(total_steps)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        progress = tf.clip_by_value(
+            (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps), 0.0, 1.0)
+        decayed = self.peak * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        return tf.where(step < self.warmup_steps, _warmup(step, self.peak, self.warmup_steps), decayed)
+
+    def get_config(self):
+        return dict(peak=self.peak, warmup_steps=self.warmup_steps, total_steps=self.total_steps)

@@ -1,0 +1,73 @@
+"""Which tf.distribute strategy runs the job: TPU pod, GPUs, several workers, or N logical CPU devices.
+
+The TPU calls live in ``_tpu_strategy`` alone. Logical CPU devices must be declared before TensorFlow
+initializes its devices, so ``use_logical_cpus`` is called first thing in a process (main.py, the tests).
+"""
+
+import tensorflow as tf
+
+from imagenet_tpu.config import ConfigError
+
+
+def use_logical_cpus(count: int) -> None:
+    """Splits the host CPU into ``count`` logical devices; a no-op if it is already split that way.
+
+    Raises ConfigError if TensorFlow has already initialized its devices with a different split.
+    """
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError as error:
+        raise ConfigError(f'cannot make {count} logical CPU devices after TensorFlow has started: {error}')
+
+
+_COLLECTIVE_KEY_SPACING = 100_000
+
+
+def mirrored_strategy(devices=None) -> tf.distribute.MirroredStrategy:
+    """MirroredStrategy over ``devices`` (default: all local GPUs, else the CPU) whose collective keys differ
+    from those of every earlier strategy in this process.
+
+    TF 2.20 starts every MirroredStrategy's collective group and instance keys at the same numbers
+    (the class attribute _collective_key_base is never advanced), so a second strategy in one process, in a
+    notebook or a test suite, reuses the keys of the first and its all-reduces fail with "Shape mismatch in the
+    collective instance" (seen here). TensorFlow's own tests advance the base by hand; so do we.
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += _COLLECTIVE_KEY_SPACING
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def _tpu_strategy(tpu: str) -> tf.distribute.Strategy:
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+    tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '') -> tf.distribute.Strategy:
+    """The strategy named by ``kind``.
+
+    'cpu': MirroredStrategy over ``num_cpu_devices`` logical CPU devices (development and tests);
+    'mirrored': MirroredStrategy over the local GPUs; 'multi_worker': MultiWorkerMirroredStrategy from TF_CONFIG;
+    'tpu': TPUStrategy for ``tpu`` (a name or 'local'); 'default': no distribution.
+    """
+    if kind == 'cpu':
+        use_logical_cpus(num_cpu_devices)
+        devices = [device.name for device in tf.config.list_logical_devices('CPU')]
+        return mirrored_strategy(devices[:num_cpu_devices])
+    if kind == 'mirrored':
+        if not tf.config.list_physical_devices('GPU'):
+            raise ConfigError("strategy 'mirrored' needs GPUs and none is visible; use --strategy=cpu")
+        return mirrored_strategy()
+    if kind == 'multi_worker':
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if kind == 'tpu':
+        if not tpu:
+            raise ConfigError("strategy 'tpu' needs --tpu=NAME (or 'local' on a TPU VM)")
+        return _tpu_strategy(tpu)
+    if kind == 'default':
+        return tf.distribute.get_strategy()
+    raise ConfigError(f'unknown strategy {kind!r}')

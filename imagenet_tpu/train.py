@@ -1,0 +1,334 @@
+"""Training and evaluation with Keras model.fit under any tf.distribute strategy.
+
+A row of small functions a user can call one by one (build_model, build_optimizer, build_datasets, callbacks),
+ending in train_and_evaluate(config), which main.py calls. Classifier wraps the plain Keras network only to own
+the training step: cross-entropy with label smoothing, averaged over the global batch, plus weight decay.
+"""
+
+import json
+import os
+import time
+from typing import List, NamedTuple, Optional
+
+import tensorflow as tf
+import tf_keras as keras
+
+from imagenet_tpu import input_pipeline, regularization, resnet, schedules, strategy as strategy_lib, tfrecord
+from imagenet_tpu.config import Config, ConfigError
+
+
+def build_network(config: Config) -> keras.Model:
+    """The plain Keras ResNet: images -> logits."""
+    if config.norm == 'batch_norm':
+        norm = resnet.batch_norm_factory(config.bn_momentum, config.bn_epsilon)
+    else:
+        norm = resnet.no_norm_factory
+    return resnet.resnet(config.depth, config.num_classes, image_size=config.image_size, norm=norm)
+
+
+def build_learning_rate(config: Config) -> keras.optimizers.schedules.LearningRateSchedule:
+    """The configured schedule, with epochs turned into steps of config.global_batch_size images."""
+    steps_per_epoch = config.steps_per_epoch
+    warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))
+    peak = config.peak_learning_rate
+    if config.lr_decay == 'step':
+        boundaries = [int(round(epoch * steps_per_epoch)) for epoch in config.lr_decay_epochs]
+        return schedules.WarmupStepDecay(peak, warmup_steps, boundaries)
+    if config.lr_decay == 'polynomial':
+        return schedules.WarmupPolynomialDecay(peak, warmup_steps, config.train_steps, config.end_learning_rate,
+                                               config.polynomial_power)
+    return schedules.WarmupCosineDecay(peak, warmup_steps, config.train_steps)
+
+
+def build_optimizer(config: Config) -> keras.optimizers.Optimizer:
+    """Momentum SGD on the configured schedule (weight decay is in the loss, see Classifier)."""
+    return keras.optimizers.SGD(build_learning_rate(config), momentum=config.momentum)
+
+
+def smoothed_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, label_smoothing: float = 0.0) -> tf.Tensor:
+    """Per-example cross-entropy [batch] (float32) against one-hot labels smoothed towards uniform."""
+    num_classes = logits.shape[-1]
+    targets = tf.one_hot(labels, num_classes, dtype=tf.float32)
+    if label_smoothing:
+        targets = targets * (1.0 - label_smoothing) + label_smoothing / num_classes
+    return tf.nn.softmax_cross_entropy_with_logits(targets, tf.cast(logits, tf.float32))
+
+
+class Classifier(keras.Model):
+    """Owns the training step around ``network``; fit/evaluate report loss, top_1 and top_5.
+
+    The loss of one replica is sum(cross-entropy) / global_batch_size + weight_decay_term / num_replicas, so
+    that the gradients the optimizer sums over replicas are those of the mean loss over the global batch.
+    """
+
+    def __init__(self, network: keras.Model, *, global_batch_size: int, weight_decay: float = 0.0,
+                 label_smoothing: float = 0.0, **kwargs):
+        super().__init__(name=kwargs.pop('name', 'classifier'), **kwargs)
+        self.network = network
+        self.global_batch_size = global_batch_size
+        self.weight_decay = weight_decay
+        self.label_smoothing = label_smoothing
+        self.loss_tracker = keras.metrics.Mean('loss')
+        self.top_1 = keras.metrics.SparseCategoricalAccuracy('top_1')
+        self.top_5 = keras.metrics.SparseTopKCategoricalAccuracy(5, 'top_5')
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.top_1, self.top_5]
+
+    def call(self, images, training=False):
+        return self.network(images, training=training)
+
+    def _update_metrics(self, labels, logits, per_example_loss, weights=None):
+        self.loss_tracker.update_state(per_example_loss, sample_weight=weights)
+        self.top_1.update_state(labels, logits, sample_weight=weights)
+        self.top_5.update_state(labels, logits, sample_weight=weights)
+        return {metric.name: metric.result() for metric in self.metrics}
+
+    def train_step(self, data):
+        images, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.network.trainable_variables
+        with tf.GradientTape() as tape:
+            logits = self.network(images, training=True)
+            per_example_loss = smoothed_cross_entropy(labels, logits, self.label_smoothing)
+            loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=self.global_batch_size)
+            loss += tf.nn.scale_regularization_loss(regularization.l2_penalty(variables, self.weight_decay))
+        gradients = tape.gradient(loss, variables)
+        self.optimizer.apply_gradients(zip(gradients, variables))
+        return self._update_metrics(labels, logits, per_example_loss)
+
+    def test_step(self, data):
+        """Evaluation batches may carry weights: 0 marks padding (see input_pipeline.eval_dataset)."""
+        images, labels, weights = keras.utils.unpack_x_y_sample_weight(data)
+        logits = self.network(images, training=False)
+        per_example_loss = smoothed_cross_entropy(labels, logits, self.label_smoothing)
+        return self._update_metrics(labels, logits, per_example_loss, weights)
+
+
+def build_classifier(config: Config) -> Classifier:
+    """Network and optimizer, compiled; call inside ``strategy.scope()``."""
+    classifier = Classifier(build_network(config), global_batch_size=config.global_batch_size,
+                            weight_decay=config.weight_decay, label_smoothing=config.label_smoothing)
+    classifier.compile(optimizer=build_optimizer(config))
+    # Create the optimizer's slots now, so a checkpoint restores into existing variables.
+    classifier.optimizer.build(classifier.network.trainable_variables)
+    return classifier
+
+
+def check_replicas(config: Config, num_replicas: int) -> None:
+    for name in ('global_batch_size', 'eval_batch_size'):
+        value = getattr(config, name)
+        if value % num_replicas:
+            raise ConfigError(f'--{name}={value} is not divisible by the {num_replicas} replicas')
+
+
+def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False):
+    """(train, eval) distributed datasets; eval is None for synthetic data."""
+    if synthetic:
+        train = strategy.distribute_datasets_from_function(
+            lambda context: input_pipeline.synthetic_dataset(config, context))
+        return train, None
+    for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
+        input_pipeline.check_labels(input_pipeline.list_shards(config.data_dir, split)[0], config)
+    train = strategy.distribute_datasets_from_function(lambda context: input_pipeline.train_dataset(config, context))
+    evaluation = strategy.distribute_datasets_from_function(
+        lambda context: input_pipeline.eval_dataset(config, context))
+    return train, evaluation
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f'{hours}h{rest // 60:02d}m' if hours else f'{rest // 60}m{rest % 60:02d}s'
+
+
+def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    rate = optimizer.learning_rate
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        rate = rate(optimizer.iterations)
+    return float(keras.backend.get_value(rate))
+
+
+class Progress(keras.callbacks.Callback):
+    """Prints epoch, step, loss, top-1, images/s and ETA, and adds learning_rate and images_per_second to the
+    epoch logs (so the TensorBoard callback after it records them)."""
+
+    def __init__(self, total_steps: int, steps_per_epoch: int, global_batch_size: int, every_steps: int,
+                 print_fn=print):
+        super().__init__()
+        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.global_batch_size, self.every_steps, self.print_fn = global_batch_size, every_steps, print_fn
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_index = epoch
+        self._epoch_start = self._window_start = time.perf_counter()
+        self._epoch_steps = self._window_steps = 0
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _line(self, epoch: int, logs: dict, images_per_second: float) -> str:
+        step = self._step()
+        eta = (self.total_steps - step) * self.global_batch_size / max(images_per_second, 1e-9)
+        return (f'epoch {epoch + 1} step {step}/{self.total_steps} loss {logs.get("loss", float("nan")):.4f} '
+                f'top-1 {100 * logs.get("top_1", float("nan")):.2f}% {images_per_second:,.0f} images/s '
+                f'ETA {format_duration(eta)}')
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._epoch_steps += 1
+        self._window_steps += 1
+        self._last_step_end = now = time.perf_counter()
+        if self.every_steps and self._window_steps >= self.every_steps:
+            rate = self._window_steps * self.global_batch_size / (now - self._window_start)
+            self.print_fn(self._line(self._epoch_index, logs or {}, rate))
+            self._window_start, self._window_steps = now, 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs if logs is not None else {}
+        # Training time only: the epoch's validation runs after its last step.
+        rate = self._epoch_steps * self.global_batch_size / max(self._last_step_end - self._epoch_start, 1e-9)
+        logs['images_per_second'] = rate
+        logs['learning_rate'] = current_learning_rate(self.model.optimizer)
+        line = self._line(epoch, logs, rate)
+        if 'val_top_1' in logs:
+            line += f' | held-out top-1 {100 * logs["val_top_1"]:.2f}% top-5 {100 * logs["val_top_5"]:.2f}%'
+        self.print_fn(line)
+
+
+class Checkpoints(keras.callbacks.Callback):
+    """Saves network and optimizer (slots and step) as ckpt-STEP at every multiple of ``every_steps`` steps
+    and at the end of training."""
+
+    def __init__(self, manager: tf.train.CheckpointManager, every_steps: int):
+        super().__init__()
+        self.manager, self.every_steps = manager, every_steps
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _save(self, step: int) -> None:
+        if self.manager.latest_checkpoint != f'{self.manager.directory}/ckpt-{step}':
+            self.manager.save(checkpoint_number=step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self._step()
+        if step % self.every_steps == 0:
+            self._save(step)
+
+    def on_train_end(self, logs=None):
+        self._save(self._step())
+
+
+def checkpoint_manager(classifier: Classifier, model_dir: str) -> tf.train.CheckpointManager:
+    """Checkpoints of network and optimizer in model_dir/checkpoints, named ckpt-STEP; the last 3 are kept."""
+    checkpoint = tf.train.Checkpoint(network=classifier.network, optimizer=classifier.optimizer)
+    return tf.train.CheckpointManager(checkpoint, os.path.join(model_dir, 'checkpoints'), max_to_keep=3,
+                                      checkpoint_name='ckpt')
+
+
+def restore_latest(manager: tf.train.CheckpointManager) -> Optional[str]:
+    """Restores the newest checkpoint, if any; returns its path."""
+    path = manager.latest_checkpoint
+    if path:
+        manager.checkpoint.restore(path).assert_existing_objects_matched()
+    return path
+
+
+class FitSegment(NamedTuple):
+    initial_epoch: int
+    epochs: int
+    steps_per_epoch: int
+
+
+def fit_segments(start_step: int, total_steps: int, steps_per_epoch: int) -> List[FitSegment]:
+    """model.fit calls that run steps start_step..total_steps with epochs aligned to steps_per_epoch.
+
+    A resumed run first finishes the interrupted epoch (a short epoch), then runs whole epochs; a final partial
+    epoch (fractional train_epochs) is its own call.
+    """
+    segments = []
+    step = start_step
+    while step < total_steps:
+        epoch, done = divmod(step, steps_per_epoch)
+        if done or total_steps - step < steps_per_epoch:
+            steps = min(steps_per_epoch - done, total_steps - step)
+            segments.append(FitSegment(epoch, epoch + 1, steps))
+        else:
+            whole = (total_steps - step) // steps_per_epoch
+            segments.append(FitSegment(epoch, epoch + whole, steps_per_epoch))
+            steps = whole * steps_per_epoch
+        step += steps
+    return segments
+
+
+def ensure_writable(model_dir: str) -> None:
+    try:
+        tf.io.gfile.makedirs(model_dir)
+        probe = os.path.join(model_dir, '.write_probe')
+        with tf.io.gfile.GFile(probe, 'w') as f:
+            f.write('ok')
+        tf.io.gfile.remove(probe)
+    except (tf.errors.OpError, OSError) as error:
+        raise ConfigError(f'--model_dir {model_dir} is not writable ({type(error).__name__})') from None
+
+
+def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy] = None,
+                       synthetic: bool = False, print_fn=print) -> dict:
+    """Trains for config.train_steps (resuming from config.model_dir), evaluates, returns the final metrics.
+
+    Returns a dict with top_1, top_5, loss (held-out; absent for synthetic data), train_loss, steps,
+    images_per_second and wall_seconds.
+    """
+    started = time.perf_counter()
+    if config.model_dir:
+        ensure_writable(config.model_dir)
+    strategy = strategy or strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices,
+                                                      tpu=config.tpu)
+    check_replicas(config, strategy.num_replicas_in_sync)
+    train_data, eval_data = build_datasets(config, strategy, synthetic=synthetic)
+    with strategy.scope():
+        classifier = build_classifier(config)
+
+    progress = Progress(config.train_steps, config.steps_per_epoch, config.global_batch_size,
+                        config.log_every_steps, print_fn)
+    callbacks = [progress]
+    if config.model_dir:
+        manager = checkpoint_manager(classifier, config.model_dir)
+        restored = restore_latest(manager)
+        if restored:
+            print_fn(f'resumed from {restored} at step {int(classifier.optimizer.iterations.numpy())}')
+        callbacks += [Checkpoints(manager, config.checkpoint_every_steps),
+                      keras.callbacks.TensorBoard(os.path.join(config.model_dir, 'logs'), update_freq='epoch',
+                                                  profile_batch=0)]
+    print_fn(f'{config.depth}-layer ResNet, {strategy.num_replicas_in_sync} replicas '
+             f'({type(strategy).__name__}), global batch {config.global_batch_size}, '
+             f'{config.steps_per_epoch} steps/epoch, {config.train_steps} steps')
+
+    train_loss, images_per_second = float('nan'), 0.0
+    start_step = int(classifier.optimizer.iterations.numpy())
+    for segment in fit_segments(start_step, config.train_steps, config.steps_per_epoch):
+        validate = eval_data is not None and config.eval_every_epochs
+        history = classifier.fit(
+            train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
+            steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
+            validation_data=eval_data if validate else None, validation_steps=config.eval_steps,
+            validation_freq=config.eval_every_epochs if validate else 1)
+        train_loss = history.history['loss'][-1]
+        images_per_second = history.history['images_per_second'][-1]
+
+    results = {'steps': int(classifier.optimizer.iterations.numpy()), 'train_loss': float(train_loss),
+               'images_per_second': float(images_per_second)}
+    if eval_data is not None:
+        evaluated = classifier.evaluate(eval_data, steps=config.eval_steps, verbose=0, return_dict=True)
+        results.update({name: float(value) for name, value in evaluated.items()})
+        results['eval_images'] = int(classifier.top_1.count.numpy())
+        print_fn(f'held-out top-1 {100 * results["top_1"]:.2f}% top-5 {100 * results["top_5"]:.2f}% '
+                 f'loss {results["loss"]:.4f} on {results["eval_images"]} images')
+        if results['eval_images'] != config.num_eval_images:
+            print_fn(f'warning: evaluated {results["eval_images"]} images but --num_eval_images='
+                     f'{config.num_eval_images}; set it to the size of the validation set')
+    results['wall_seconds'] = time.perf_counter() - started
+    if config.model_dir:
+        with tf.io.gfile.GFile(os.path.join(config.model_dir, 'results.json'), 'w') as f:
+            json.dump(results, f, indent=2)
+    return results

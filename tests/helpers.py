@@ -1,0 +1,52 @@
+"""Shared test helper: 8 logical CPU devices, made once per process, and small data written on the fly.
+
+Logical devices cannot change after TensorFlow initializes, so every test module calls use_eight_cpus() at
+import, before any test touches a device.
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+from imagenet_tpu import strategy, tfrecord
+
+NUM_DEVICES = 8
+
+
+def use_eight_cpus() -> None:
+    strategy.use_logical_cpus(NUM_DEVICES)
+
+
+def mirrored(replicas: int = NUM_DEVICES) -> tf.distribute.MirroredStrategy:
+    devices = [device.name for device in tf.config.list_logical_devices('CPU')][:replicas]
+    return strategy.mirrored_strategy(devices)
+
+
+def photo_like(height: int, width: int, seed: int) -> np.ndarray:
+    """A smooth uint8 RGB image with structure (gradients and blobs), not flat and not noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    channels = []
+    for _ in range(3):
+        cy, cx, r = rng.uniform(0, height), rng.uniform(0, width), rng.uniform(3, max(height, width))
+        channels.append(127 + 100 * np.cos(((y - cy) ** 2 + (x - cx) ** 2) ** 0.5 / r * np.pi))
+    return np.clip(np.stack(channels, -1), 0, 255).astype(np.uint8)
+
+
+def write_dataset(data_dir: str, num_train: int = 48, num_validation: int = 20, num_classes: int = 4,
+                  size: int = 24, train_shards: int = 4, validation_shards: int = 2, label_offset: int = 1) -> dict:
+    """Writes ImageNet-format shards of photo-like JPEGs; returns {split: (images uint8, disk labels)}."""
+    os.makedirs(data_dir, exist_ok=True)
+    written = {}
+    for split, count, shards, seed in ((tfrecord.TRAIN, num_train, train_shards, 0),
+                                       (tfrecord.VALIDATION, num_validation, validation_shards, 1000)):
+        images = np.stack([photo_like(size, size + 4, seed + i) for i in range(count)])
+        labels = np.arange(count) % num_classes + label_offset
+        for shard in range(shards):
+            examples = [tfrecord.make_example(tf.io.encode_jpeg(images[i], quality=95).numpy(), int(labels[i]),
+                                              size, size + 4, filename=f'{split}_{i}.JPEG')
+                        for i in range(shard, count, shards)]
+            tfrecord.write_shard(os.path.join(data_dir, tfrecord.shard_name(split, shard, shards)), examples)
+        written[split] = (images, labels)
+    return written

@@ -1,0 +1,94 @@
+"""Input pipeline: evaluation sees every image once with the centre crop; training batches; bad data."""
+
+import dataclasses
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu import input_pipeline, preprocessing
+from imagenet_tpu.config import Config, ConfigError
+
+helpers.use_eight_cpus()
+
+
+def _config(data_dir, **overrides):
+    base = Config(data_dir=data_dir, num_classes=4, label_offset=1, image_size=16, global_batch_size=8,
+                  eval_batch_size=8, num_train_images=48, num_eval_images=20, shuffle_buffer=16, seed=0)
+    return dataclasses.replace(base, **overrides)
+
+
+class InputPipelineTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.data_dir = os.path.join(self.get_temp_dir(), 'data')
+        self.written = helpers.write_dataset(self.data_dir)
+
+    def test_eval_covers_every_image_once_with_centre_crop(self):
+        config = _config(self.data_dir)
+        batches = list(input_pipeline.eval_dataset(config))
+        images = np.concatenate([b[0].numpy() for b in batches])
+        labels = np.concatenate([b[1].numpy() for b in batches])
+        weights = np.concatenate([b[2].numpy() for b in batches])
+        # 20 images in 3 full batches of 8: the last 4 slots are padding of weight 0, nothing is dropped.
+        self.assertEqual([len(b[1]) for b in batches], [8, 8, 8])
+        self.assertAllEqual(weights, [1] * 20 + [0] * 4)
+        self.assertAllEqual(images[20:], np.zeros_like(images[20:]))
+        labels = labels[:20]
+        source_images, source_labels = self.written['validation']
+        # Files are read in order; shard s holds images s, s + 2, ... (see helpers.write_dataset).
+        order = np.concatenate([np.arange(s, 20, 2) for s in range(2)])
+        self.assertAllEqual(labels, source_labels[order] - 1)
+        # Reference: decode the whole JPEG, crop 87.5% of the shorter side in NumPy, resize, normalize.
+        encoded = tf.io.encode_jpeg(source_images[order[0]], quality=95)
+        full = tf.io.decode_jpeg(encoded).numpy()
+        side = int(0.875 * min(full.shape[:2]))
+        top, left = (full.shape[0] - side + 1) // 2, (full.shape[1] - side + 1) // 2
+        crop = full[top:top + side, left:left + side].astype(np.float32)
+        expected = (tf.image.resize(crop, [16, 16]) - preprocessing.MEAN_RGB) / preprocessing.STDDEV_RGB
+        self.assertAllClose(images[0], expected, atol=0.05)
+
+    def test_train_batches_are_normalized_and_labels_shifted(self):
+        config = _config(self.data_dir)
+        images, labels = next(iter(input_pipeline.train_dataset(config)))
+        self.assertEqual(images.shape, (8, 16, 16, 3))
+        self.assertEqual(images.dtype, tf.float32)
+        self.assertTrue(np.all((labels.numpy() >= 0) & (labels.numpy() < 4)))
+        # Normalized pixels lie within the range the ImageNet statistics map 0..255 to.
+        low = (0 - np.array(preprocessing.MEAN_RGB)) / preprocessing.STDDEV_RGB
+        high = (255 - np.array(preprocessing.MEAN_RGB)) / preprocessing.STDDEV_RGB
+        self.assertTrue(np.all(images.numpy() >= low.min() - 1e-4) and np.all(images.numpy() <= high.max() + 1e-4))
+
+    def test_per_replica_batches_under_a_strategy(self):
+        strategy = helpers.mirrored(4)
+        config = _config(self.data_dir)
+        dataset = strategy.distribute_datasets_from_function(lambda ctx: input_pipeline.train_dataset(config, ctx))
+        images, _ = next(iter(dataset))
+        self.assertEqual([v.shape[0] for v in strategy.experimental_local_results(images)], [2, 2, 2, 2])
+
+    def test_label_outside_model_range_is_a_clear_error(self):
+        config = _config(self.data_dir, num_classes=3)  # disk label 4 (in train shard 3) -> model label 3, out of range
+        with self.assertRaisesRegex(ConfigError, r'on-disk label 4 is outside \[1, 4\)'):
+            input_pipeline.check_labels(input_pipeline.list_shards(self.data_dir, 'train')[3], config)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'label out of range'):
+            for _ in input_pipeline.eval_dataset(config):
+                pass
+
+    def test_missing_and_empty_data_dir(self):
+        with self.assertRaisesRegex(ConfigError, 'does not exist'):
+            input_pipeline.list_shards(os.path.join(self.data_dir, 'nope'), 'train')
+        empty = os.path.join(self.get_temp_dir(), 'empty')
+        os.makedirs(empty, exist_ok=True)
+        with self.assertRaisesRegex(ConfigError, 'no train files matching train-\\*-of-\\*'):
+            input_pipeline.list_shards(empty, 'train')
+
+    def test_synthetic_batches(self):
+        images, labels = next(iter(input_pipeline.synthetic_dataset(_config(None))))
+        self.assertEqual(images.shape, (8, 16, 16, 3))
+        self.assertTrue(np.all(labels.numpy() < 4))
+
+
+if __name__ == '__main__':
+    tf.test.main()

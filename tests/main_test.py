@@ -1,0 +1,79 @@
+"""The command line: each bad input ends with one clear line and a non-zero exit, never a traceback."""
+
+import os
+import subprocess
+import sys
+
+from absl.testing import parameterized
+import tensorflow as tf
+
+import helpers
+
+helpers.use_eight_cpus()
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
+         '--global_batch_size=16', '--eval_batch_size=16', '--train_epochs=1', '--strategy=cpu']
+
+
+def run_main(*args):
+    environment = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+    process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.main', *args], cwd=REPO, env=environment,
+                             capture_output=True, text=True, timeout=300)
+    return process.returncode, process.stderr
+
+
+class MainTest(tf.test.TestCase, parameterized.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.root = tf.compat.v1.test.get_temp_dir()
+        cls.data_dir = os.path.join(cls.root, 'data')
+        helpers.write_dataset(cls.data_dir)
+        cls.empty_dir = os.path.join(cls.root, 'empty')
+        os.makedirs(cls.empty_dir, exist_ok=True)
+        cls.train_only_dir = os.path.join(cls.root, 'train_only')
+        helpers.write_dataset(cls.train_only_dir, validation_shards=1)
+        for name in os.listdir(cls.train_only_dir):
+            if name.startswith('validation'):
+                os.remove(os.path.join(cls.train_only_dir, name))
+        cls.a_file = os.path.join(cls.root, 'a_file')
+        open(cls.a_file, 'w').close()
+        cls.flagfile = os.path.join(cls.root, 'bad.cfg')
+        with open(cls.flagfile, 'w') as f:
+            f.write('--depth=18\n--bogus_setting=3\n')
+
+    def assert_one_line_error(self, args, expected, status=2, prefix='error: '):
+        code, stderr = run_main(*args)
+        self.assertEqual(code, status, stderr)
+        self.assertNotIn('Traceback', stderr)
+        lines = [line for line in stderr.splitlines() if line.startswith(prefix)]
+        self.assertLen(lines, 1, stderr)
+        self.assertRegex(lines[0], expected)
+
+    @parameterized.named_parameters(
+        ('missing_data_dir', lambda c: ['--data_dir=' + os.path.join(c.root, 'nowhere')], 'does not exist'),
+        ('empty_data_dir', lambda c: ['--data_dir=' + c.empty_dir], r'no train files matching train-\*-of-\*'),
+        ('no_validation_files', lambda c: ['--data_dir=' + c.train_only_dir], 'no validation files matching'),
+        ('no_data_dir', lambda c: [], '--data_dir is not set'),
+        ('batch_not_divisible', lambda c: ['--data_dir=' + c.data_dir, '--global_batch_size=12'],
+         'global_batch_size=12 is not divisible by the 8 replicas'),
+        ('unknown_strategy', lambda c: ['--data_dir=' + c.data_dir, '--strategy=abacus'],
+         "unknown strategy 'abacus'"),
+        ('model_dir_not_writable', lambda c: ['--data_dir=' + c.data_dir, '--model_dir=' + c.a_file + '/run'],
+         'is not writable'),
+        ('label_outside_classes', lambda c: ['--data_dir=' + c.data_dir, '--num_classes=3'],
+         # Caught at start (first records of the first shards) or, as here, inside the pipeline.
+         r'label (out of range: expected on-disk labels in|4 is outside) \[1, 4\)'),
+    )
+    def test_bad_input(self, make_args, expected):
+        self.assert_one_line_error(SMALL + make_args(self), expected)
+
+    def test_unknown_flag_in_flagfile(self):
+        self.assert_one_line_error(['--flagfile=' + self.flagfile], "Unknown command line flag 'bogus_setting'",
+                                   status=1, prefix='FATAL Flags parsing error')
+
+
+if __name__ == '__main__':
+    tf.test.main()

@@ -1,0 +1,66 @@
+"""ResNet: parameter counts against torchvision's published table, block structure, zero-init gammas."""
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import helpers
+from imagenet_tpu import resnet
+
+helpers.use_eight_cpus()
+
+# torchvision.models.resnet{18,34,50,101}(num_classes=1000): same v1.5 network, no convolution biases.
+PUBLISHED_PARAMETERS = {18: 11_689_512, 34: 21_797_672, 50: 25_557_032, 101: 44_549_160}
+
+
+class ResNetTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters(*sorted(PUBLISHED_PARAMETERS))
+    def test_parameter_count_matches_published(self, depth):
+        model = resnet.resnet(depth, 1000, image_size=64)
+        # torchvision counts trainable parameters; batch-norm moving statistics are buffers there.
+        trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+        self.assertEqual(trainable, PUBLISHED_PARAMETERS[depth])
+
+    def test_resnet50_stride_on_3x3_convolution(self):
+        # v1.5: in a downsampling bottleneck the 1x1 keeps the resolution and the 3x3 halves it.
+        model = resnet.ResNet50(1000, image_size=64)
+        conv1, conv2 = model.get_layer('stage2_block1_conv1'), model.get_layer('stage2_block1_conv2')
+        self.assertEqual(conv1.strides, (1, 1))
+        self.assertEqual(conv2.strides, (2, 2))
+        self.assertEqual(conv2.kernel_size, (3, 3))
+
+    def test_last_gamma_of_each_block_is_zero_so_blocks_start_as_identity(self):
+        model = resnet.resnet(18, 10, image_size=32)
+        last = [layer for layer in model.layers if layer.name.endswith('_bn2')]
+        self.assertLen(last, 8)
+        for layer in last:
+            self.assertAllEqual(layer.gamma.numpy(), np.zeros_like(layer.gamma.numpy()))
+        # With zero last gammas, a block whose input needs no projection outputs relu(input) = input
+        # (its input is already a ReLU output).
+        block_input = model.get_layer('stage1_block1_conv1').input
+        block_output = model.get_layer('stage1_block1_out').output
+        probe = keras.Model(model.input, [block_input, block_output])
+        x, y = probe(np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32), training=False)
+        self.assertAllClose(x, y)
+
+    def test_forward_matches_keras_layers_run_by_hand(self):
+        # The stem computed layer by layer with the model's own weights equals the model's intermediate output.
+        model = resnet.resnet(18, 10, image_size=32)
+        images = np.random.default_rng(1).normal(size=(2, 32, 32, 3)).astype(np.float32)
+        kernel = model.get_layer('stem_conv').kernel.numpy()
+        bn = model.get_layer('stem_bn')
+        conv = tf.nn.conv2d(images, kernel, strides=2, padding='SAME')
+        normed = (conv - bn.moving_mean) / np.sqrt(bn.moving_variance + bn.epsilon) * bn.gamma + bn.beta
+        expected = tf.nn.max_pool2d(tf.nn.relu(normed), 3, 2, 'SAME')
+        probe = keras.Model(model.input, model.get_layer('stem_pool').output)
+        self.assertAllClose(probe(images, training=False), expected, atol=1e-5)
+
+    def test_unknown_depth_is_refused(self):
+        with self.assertRaisesRegex(ValueError, 'unsupported ResNet depth 42'):
+            resnet.resnet(42)
+
+
+if __name__ == '__main__':
+    tf.test.main()

@@ -1,0 +1,178 @@
+"""Training: the step against a hand-written reference, 1 device vs 8 replicas, schedules, resume."""
+
+import dataclasses
+import os
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import helpers
+from imagenet_tpu import regularization, schedules, train
+from imagenet_tpu.config import Config, ConfigError
+
+helpers.use_eight_cpus()
+
+TINY = Config(depth=18, norm='none', num_classes=10, image_size=16, global_batch_size=16, eval_batch_size=16,
+              num_train_images=48, num_eval_images=20, base_learning_rate=0.4, warmup_epochs=0, lr_decay='cosine',
+              train_epochs=1, weight_decay=1e-3, label_smoothing=0.1, momentum=0.9)
+
+
+def _batches(count=3, batch=16, size=16, classes=10, seed=0):
+    rng = np.random.default_rng(seed)
+    images = rng.normal(size=(count * batch, size, size, 3)).astype(np.float32)
+    labels = rng.integers(0, classes, size=count * batch).astype(np.int32)
+    return images, labels
+
+
+class LossTest(tf.test.TestCase):
+
+    def test_smoothed_cross_entropy_matches_keras_builtin(self):
+        rng = np.random.default_rng(0)
+        logits = rng.normal(size=(6, 10)).astype(np.float32)
+        labels = rng.integers(0, 10, size=6)
+        reference = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1,
+                                                         reduction='none')(tf.one_hot(labels, 10), logits)
+        self.assertAllClose(train.smoothed_cross_entropy(labels, logits, 0.1), reference, atol=1e-6)
+
+    def test_weight_decay_skips_batch_norm_and_biases(self):
+        model = keras.Sequential([keras.Input((4, 4, 3)), keras.layers.Conv2D(2, 3, use_bias=True),
+                                  keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(3)])
+        decayed = {v.name for v in model.trainable_variables if regularization.is_decayed(v)}
+        self.assertEqual({name.split('/')[-1].split(':')[0] for name in decayed}, {'kernel'})
+        self.assertLen(decayed, 2)
+        expected = 1e-3 / 2 * sum(np.sum(v.numpy() ** 2) for v in model.trainable_variables if 'kernel' in v.name)
+        self.assertAllClose(regularization.l2_penalty(model.trainable_variables, 1e-3), expected, rtol=1e-6)
+
+
+class TrainStepTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_one_step_equals_hand_computed_sgd(self):
+        # Reference: the gradient of mean(smoothed CE) + wd/2 * sum(kernel^2), then one momentum-SGD step
+        # (v = g on the first step, w <- w - lr * v), written independently of Classifier.
+        network = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, use_bias=True),
+                                    keras.layers.BatchNormalization(), keras.layers.GlobalAveragePooling2D(),
+                                    keras.layers.Dense(5)])
+        images, labels = _batches(1, 8, 8, 5)
+        initial = [v.numpy() for v in network.trainable_variables]
+        with tf.GradientTape() as tape:
+            logits = network(images, training=True)
+            targets = tf.one_hot(labels, 5) * 0.8 + 0.2 / 5
+            loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(targets, logits))
+            loss += 1e-2 / 2 * sum(tf.reduce_sum(v ** 2) for v in network.trainable_variables if 'kernel' in v.name)
+        gradients = tape.gradient(loss, network.trainable_variables)
+        expected = [w - 0.5 * g.numpy() for w, g in zip(initial, gradients)]
+        for variable, value in zip(network.trainable_variables, initial):
+            variable.assign(value)
+
+        classifier = train.Classifier(network, global_batch_size=8, weight_decay=1e-2, label_smoothing=0.2)
+        classifier.compile(optimizer=keras.optimizers.SGD(0.5, momentum=0.9))
+        classifier.fit(images, labels, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        for variable, value in zip(network.trainable_variables, expected):
+            self.assertAllClose(variable, value, atol=1e-5)
+
+    def test_eight_replicas_end_with_the_same_weights_as_one_device(self):
+        # No batch norm (norm='none'): plain BN normalizes per replica, so with BN the two runs would differ
+        # by design. Everything else of the step (loss scaling by the global batch, weight decay scaled per
+        # replica, label smoothing, gradient summation, momentum, schedule) must agree.
+        images, labels = _batches()
+        dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(16)
+        keras.utils.set_random_seed(0)
+        initial = train.build_network(TINY).get_weights()
+
+        def run(strategy):
+            with strategy.scope():
+                classifier = train.build_classifier(TINY)
+                classifier.network.set_weights(initial)
+            history = classifier.fit(dataset, epochs=1, steps_per_epoch=3, verbose=0)
+            return classifier.network.get_weights(), history.history['loss'][-1]
+
+        single_weights, single_loss = run(tf.distribute.get_strategy())
+        multi_weights, multi_loss = run(helpers.mirrored(8))
+        moved = max(np.abs(w - w0).max() for w, w0 in zip(single_weights, initial))
+        self.assertGreater(moved, 1e-3)  # training really changed the weights
+        for single, multi in zip(single_weights, multi_weights):
+            self.assertAllClose(single, multi, atol=1e-5, rtol=1e-4)
+        self.assertAllClose(single_loss, multi_loss, rtol=1e-5)
+
+
+class ScheduleTest(tf.test.TestCase):
+
+    def test_step_decay_against_closed_form(self):
+        rate = schedules.WarmupStepDecay(3.2, 10, [30, 60, 80])
+        for step, expected in ((0, 0.0), (5, 1.6), (10, 3.2), (29, 3.2), (30, 0.32), (60, 0.032), (85, 0.0032)):
+            self.assertAllClose(rate(step), expected, rtol=1e-5)
+
+    def test_polynomial_decay_against_closed_form(self):
+        rate = schedules.WarmupPolynomialDecay(31.2, 100, 1100, end=1e-4, power=2)
+        for step in (0, 50, 100, 350, 600, 1099, 1100, 2000):
+            if step < 100:
+                expected = 31.2 * step / 100
+            else:
+                t = min(1.0, (step - 100) / 1000)
+                expected = 1e-4 + (31.2 - 1e-4) * (1 - t) ** 2
+            self.assertAllClose(rate(step), expected, rtol=1e-5)
+
+    def test_cosine_and_serialization(self):
+        rate = schedules.WarmupCosineDecay(1.0, 0, 100)
+        self.assertAllClose([rate(s) for s in (0, 50, 100)], [1.0, 0.5, 0.0], atol=1e-6)
+        restored = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(rate))
+        self.assertIsInstance(restored, schedules.WarmupCosineDecay)
+        self.assertAllClose(restored(25), rate(25))
+
+
+class FitSegmentsTest(tf.test.TestCase):
+
+    def test_fresh_run_is_one_segment(self):
+        self.assertEqual(train.fit_segments(0, 30, 10), [train.FitSegment(0, 3, 10)])
+
+    def test_resume_mid_epoch_finishes_that_epoch_first(self):
+        self.assertEqual(train.fit_segments(14, 30, 10),
+                         [train.FitSegment(1, 2, 6), train.FitSegment(2, 3, 10)])
+
+    def test_fractional_last_epoch_and_finished_run(self):
+        self.assertEqual(train.fit_segments(0, 25, 10), [train.FitSegment(0, 2, 10), train.FitSegment(2, 3, 5)])
+        self.assertEqual(train.fit_segments(25, 25, 10), [])
+
+
+class TrainAndEvaluateTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.data_dir = os.path.join(self.get_temp_dir(), 'data')
+        helpers.write_dataset(self.data_dir, num_classes=10)
+        self.config = dataclasses.replace(TINY, data_dir=self.data_dir, norm='batch_norm', num_classes=10,
+                                          model_dir=os.path.join(self.get_temp_dir(), 'run'),
+                                          checkpoint_every_steps=2, log_every_steps=0, shuffle_buffer=8)
+
+    def test_resume_continues_at_the_saved_step(self):
+        lines = []
+        strategy = helpers.mirrored(8)
+        # 2 of an epoch's 3 steps, as if the run had stopped mid-epoch.
+        first = train.train_and_evaluate(dataclasses.replace(self.config, train_epochs=2 / 3), strategy,
+                                         print_fn=lines.append)
+        self.assertEqual(first['steps'], 2)
+        with strategy.scope():
+            saved = train.build_classifier(self.config)
+        manager = train.checkpoint_manager(saved, self.config.model_dir)
+        self.assertTrue(manager.latest_checkpoint.endswith('ckpt-2'), manager.latest_checkpoint)
+        train.restore_latest(manager)
+        self.assertEqual(int(saved.optimizer.iterations.numpy()), 2)
+
+        lines.clear()
+        second = train.train_and_evaluate(dataclasses.replace(self.config, train_epochs=2), strategy,
+                                          print_fn=lines.append)
+        self.assertIn(f'resumed from {manager.latest_checkpoint} at step 2', lines)
+        self.assertEqual(second['steps'], 6)  # 2 + the rest of epoch 1 (1) + epoch 2 (3), not 2 + 6
+        self.assertEqual(second['eval_images'], 20)  # every held-out image, the last batch partial
+        self.assertTrue(os.path.exists(os.path.join(self.config.model_dir, 'results.json')))
+
+    def test_global_batch_not_divisible_by_replicas(self):
+        config = dataclasses.replace(self.config, global_batch_size=12)
+        with self.assertRaisesRegex(ConfigError, 'global_batch_size=12 is not divisible by the 8 replicas'):
+            train.train_and_evaluate(config, helpers.mirrored(8))
+
+
+if __name__ == '__main__':
+    tf.test.main()
