@@ -1,13 +1,16 @@
 """The command line: each bad input ends with one clear line and a non-zero exit, never a traceback."""
 
+import glob
 import os
 import subprocess
 import sys
 
-from absl.testing import parameterized
+from absl import flags
+from absl.testing import flagsaver, parameterized
 import tensorflow as tf
 
 import helpers
+from imagenet_tpu import main
 
 helpers.use_eight_cpus()
 
@@ -73,6 +76,16 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
     def test_unknown_flag_in_flagfile(self):
         self.assert_one_line_error(['--flagfile=' + self.flagfile], "Unknown command line flag 'bogus_setting'",
                                    status=1, prefix='FATAL Flags parsing error')
+
+
+    @parameterized.parameters(*sorted(glob.glob(os.path.join(REPO, 'flags', '*.cfg'))))
+    def test_every_recipe_parses_into_a_valid_config(self, path):
+        with flagsaver.flagsaver():
+            flags.FLAGS(['imagenet-tpu-train', f'--flagfile={path}'])
+            config = main.config_from_flags()
+        with open(path) as f:
+            lines = [line.strip() for line in f if line.startswith('--global_batch_size=')]
+        self.assertEqual(lines, [f'--global_batch_size={config.global_batch_size}'])
 
 
 if __name__ == '__main__':
