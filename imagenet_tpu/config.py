@@ -14,7 +14,8 @@ class ConfigError(ValueError):
 
 STRATEGIES = ('cpu', 'mirrored', 'multi_worker', 'tpu', 'default')
 NORMS = ('batch_norm', 'none')
-DECAYS = ('step', 'polynomial', 'cosine')
+DECAYS = ('step', 'polynomial', 'cosine', 'slow_start')
+OPTIMIZERS = ('sgd', 'lars', 'rmsprop_warmup')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,17 +36,33 @@ class Config:
     norm: str = 'batch_norm'                # 'batch_norm' or 'none' (no normalization layers)
     bn_momentum: float = 0.9
     bn_epsilon: float = 1e-5
+    bn_group_size: int = 1                  # replicas whose batches one batch norm normalizes over (1 = per replica)
+    bn_span: Optional[int] = None           # images per batch norm; when set, bn_group_size = span / per-replica batch
+    bn_inference_statistics: str = 'moving_average'   # 'moving_average', 'last_batch' (Akiba) or 'reestimate'
+    bn_reestimate_batches: int = 10         # training batches that 'reestimate' pools before each evaluation
+    mesh_shape: Optional[Tuple[int, int]] = None      # (X, Y) chips of the TPU torus: BN groups become 2-D tiles
+    cores_per_chip: int = 2                 # replicas per chip on the mesh (TPU v3: 2)
 
     # Optimization.
     global_batch_size: int = 1024           # images per step summed over all replicas
     eval_batch_size: int = 1024             # images per evaluation step summed over all replicas
     train_epochs: float = 90.0
+    total_steps: Optional[int] = None       # when set, the run's length in steps (overrides train_epochs)
+    optimizer: str = 'sgd'                  # 'sgd' (momentum), 'lars' or 'rmsprop_warmup' (Akiba et al.)
     base_learning_rate: float = 0.1         # per 256 images: lr = base_learning_rate * global_batch_size / 256
+    learning_rate: Optional[float] = None   # when set, the peak learning rate itself (overrides base_learning_rate)
     momentum: float = 0.9
+    nesterov: bool = False
     weight_decay: float = 1e-4              # L2 on conv and dense kernels; never on BN parameters or biases
     label_smoothing: float = 0.0
+    lars_eeta: float = 0.001                # LARS trust coefficient
+    lars_epsilon: float = 0.0               # added to the LARS trust ratio's denominator
+    lars_trust_ratio: str = 'mlperf'        # 'mlperf' (MLPerf / TF contrib) or 'tfm' (tf-models-official)
+    rms_learning_rate: float = 3e-4         # eta_rms of RMSprop warm-up
+    alpha_sgd_center_epochs: float = 10.0   # RMSprop warm-up: alpha_sgd = 1/2 here
+    alpha_sgd_period_epochs: float = 5.0    # RMSprop warm-up: alpha_sgd reaches 1 at center + period / 2
     warmup_epochs: float = 5.0
-    lr_decay: str = 'step'                  # 'step' (x0.1 at lr_decay_epochs), 'polynomial' or 'cosine'
+    lr_decay: str = 'step'                  # 'step' (x0.1 at lr_decay_epochs), 'polynomial', 'cosine', 'slow_start'
     lr_decay_epochs: Tuple[float, ...] = (30.0, 60.0, 80.0)
     end_learning_rate: float = 1e-4         # for 'polynomial'
     polynomial_power: float = 2.0
@@ -57,6 +74,7 @@ class Config:
 
     # Run.
     model_dir: Optional[str] = None         # checkpoints and TensorBoard logs; None = neither
+    export_saved_model: bool = False        # write model_dir/saved_model (images -> logits) at the end
     checkpoint_every_steps: int = 1000
     eval_every_epochs: int = 1
     log_every_steps: int = 100              # progress lines inside an epoch
@@ -73,6 +91,17 @@ class Config:
                      'num_eval_images', 'checkpoint_every_steps', 'eval_every_epochs', 'num_cpu_devices'):
             if getattr(self, name) <= 0:
                 raise ConfigError(f'{name} must be positive, got {getattr(self, name)}')
+        if self.bn_inference_statistics not in ('moving_average', 'last_batch', 'reestimate'):
+            raise ConfigError(f"bn_inference_statistics must be 'moving_average', 'last_batch' or 'reestimate', "
+                              f'got {self.bn_inference_statistics!r}')
+        if self.bn_group_size < 1 or (self.bn_span is not None and self.bn_span < 1):
+            raise ConfigError('bn_group_size and bn_span must be positive')
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f'unknown optimizer {self.optimizer!r}; choose one of {", ".join(OPTIMIZERS)}')
+        if self.lars_trust_ratio not in ('mlperf', 'tfm'):
+            raise ConfigError(f"lars_trust_ratio must be 'mlperf' or 'tfm', got {self.lars_trust_ratio!r}")
+        if self.total_steps is not None and self.total_steps <= 0:
+            raise ConfigError(f'total_steps must be positive, got {self.total_steps}')
         if not 0 < self.random_crop_min_area <= 1:
             raise ConfigError(f'random_crop_min_area must be in (0, 1], got {self.random_crop_min_area}')
         if not 0 <= self.label_smoothing < 1:
@@ -80,18 +109,46 @@ class Config:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Training steps in one epoch; the last partial batch of an epoch is carried into the next."""
-        return max(1, self.num_train_images // self.global_batch_size)
+        """Steps in one Keras epoch (the unit of progress lines and evaluation): images / batch, rounded.
+
+        The data itself is an endless shuffled stream, so no image is dropped at epoch ends; schedules convert
+        epochs to steps at the exact ratio (epochs_to_steps).
+        """
+        return max(1, int(round(self.num_train_images / self.global_batch_size)))
+
+    def epochs_to_steps(self, epochs: float) -> int:
+        """Steps in ``epochs`` epochs at the exact (fractional) images/batch ratio, as the MLPerf schedules count."""
+        return int(round(epochs * self.num_train_images / self.global_batch_size))
 
     @property
     def train_steps(self) -> int:
-        return max(1, int(round(self.train_epochs * self.steps_per_epoch)))
+        return self.total_steps or max(1, self.epochs_to_steps(self.train_epochs))
 
     @property
     def eval_steps(self) -> int:
         """Evaluation steps that cover every validation image once (the last batch is partial)."""
         return -(-self.num_eval_images // self.eval_batch_size)
 
+    def bn_group_size_for(self, num_replicas: int) -> int:
+        """Replicas per batch-norm group, from bn_span (images per batch norm) when set, else bn_group_size."""
+        if num_replicas < 1 or self.global_batch_size % num_replicas:
+            raise ConfigError(f'--global_batch_size={self.global_batch_size} is not divisible by the '
+                              f'{num_replicas} replicas')
+        per_replica = self.global_batch_size // num_replicas
+        if self.bn_span is not None:
+            if self.bn_span % per_replica:
+                raise ConfigError(f'--bn_span={self.bn_span} is not a multiple of the per-replica batch '
+                                  f'{per_replica} ({self.global_batch_size} images / {num_replicas} replicas)')
+            group_size = self.bn_span // per_replica
+        else:
+            group_size = self.bn_group_size
+        if num_replicas % group_size:
+            raise ConfigError(f'batch-norm group of {group_size} replicas does not divide the {num_replicas} '
+                              f'replicas (--bn_group_size={self.bn_group_size}, --bn_span={self.bn_span})')
+        return group_size
+
     @property
     def peak_learning_rate(self) -> float:
+        if self.learning_rate is not None:
+            return self.learning_rate
         return self.base_learning_rate * self.global_batch_size / 256

@@ -47,6 +47,21 @@ _NORM = flags.DEFINE_enum('norm', _DEFAULTS.norm, ['batch_norm', 'none'], 'Norma
 _BN_MOMENTUM = flags.DEFINE_float('bn_momentum', _DEFAULTS.bn_momentum,
                                   'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short runs).')
 _BN_EPSILON = flags.DEFINE_float('bn_epsilon', _DEFAULTS.bn_epsilon, 'Batch-norm epsilon.')
+_BN_GROUP_SIZE = flags.DEFINE_integer('bn_group_size', _DEFAULTS.bn_group_size,
+                                      'Replicas per batch-norm group (1: per replica; all: synchronized). '
+                                      'Must divide the replica count.')
+_BN_SPAN = flags.DEFINE_integer('bn_span', None, 'Images per batch norm (Ying et al.: ~32-64); sets the group '
+                                'size to span / per-replica batch. Overrides --bn_group_size.')
+_BN_INFERENCE_STATISTICS = flags.DEFINE_enum(
+    'bn_inference_statistics', _DEFAULTS.bn_inference_statistics, ['moving_average', 'last_batch', 'reestimate'],
+    "Statistics used for evaluation and export: moving averages; 'last_batch' (Akiba et al.: the last training "
+    "batch's, over all replicas); 'reestimate' (--bn_reestimate_batches training batches before each evaluation).")
+_BN_REESTIMATE_BATCHES = flags.DEFINE_integer('bn_reestimate_batches', _DEFAULTS.bn_reestimate_batches,
+                                              "Training batches pooled by --bn_inference_statistics=reestimate.")
+_MESH_SHAPE = flags.DEFINE_string('mesh_shape', None, 'TPU torus as XxY chips (e.g. 16x32): batch-norm groups '
+                                  'become 2-D tiles of neighbouring chips. Default: contiguous replica ids.')
+_CORES_PER_CHIP = flags.DEFINE_integer('cores_per_chip', _DEFAULTS.cores_per_chip,
+                                       'Replicas per chip on --mesh_shape (TPU v3: 2).')
 
 # Optimization.
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer('global_batch_size', _DEFAULTS.global_batch_size,
@@ -54,17 +69,37 @@ _GLOBAL_BATCH_SIZE = flags.DEFINE_integer('global_batch_size', _DEFAULTS.global_
 _EVAL_BATCH_SIZE = flags.DEFINE_integer('eval_batch_size', _DEFAULTS.eval_batch_size,
                                         'Images per evaluation step, summed over all replicas.')
 _TRAIN_EPOCHS = flags.DEFINE_float('train_epochs', _DEFAULTS.train_epochs, 'Length of training, in epochs.')
+_TOTAL_STEPS = flags.DEFINE_integer('total_steps', None, 'Length of training in steps; overrides --train_epochs '
+                                    '(MLPerf recipes state steps).')
+_OPTIMIZER = flags.DEFINE_enum('optimizer', _DEFAULTS.optimizer, ['sgd', 'lars', 'rmsprop_warmup'],
+                               "'sgd' (momentum), 'lars' (large batch), 'rmsprop_warmup' (Akiba et al.).")
 _BASE_LEARNING_RATE = flags.DEFINE_float(
     'base_learning_rate', _DEFAULTS.base_learning_rate,
     'Learning rate per 256 images; the peak is base_learning_rate * global_batch_size / 256 (Goyal et al.).')
-_MOMENTUM = flags.DEFINE_float('momentum', _DEFAULTS.momentum, 'SGD momentum.')
+_LEARNING_RATE = flags.DEFINE_float('learning_rate', None, 'Peak learning rate itself; overrides '
+                                    '--base_learning_rate (the LARS recipes state it: 31.2 at batch 32k).')
+_MOMENTUM = flags.DEFINE_float('momentum', _DEFAULTS.momentum, 'Momentum of SGD, LARS and RMSprop warm-up (mu1).')
+_NESTEROV = flags.DEFINE_bool('nesterov', _DEFAULTS.nesterov, 'Nesterov momentum (sgd, lars).')
+_LARS_EETA = flags.DEFINE_float('lars_eeta', _DEFAULTS.lars_eeta, 'LARS trust coefficient (MLPerf: 0.001).')
+_LARS_EPSILON = flags.DEFINE_float('lars_epsilon', _DEFAULTS.lars_epsilon,
+                                   'Added to the LARS trust-ratio denominator (MLPerf v0.6: 1e-5, v0.7: 0).')
+_LARS_TRUST_RATIO = flags.DEFINE_enum('lars_trust_ratio', _DEFAULTS.lars_trust_ratio, ['mlperf', 'tfm'],
+                                      "LARS trust ratio: 'mlperf' (MLPerf / TF contrib) or 'tfm' "
+                                      '(tf-models-official, to reuse its hyperparameters).')
+_RMS_LEARNING_RATE = flags.DEFINE_float('rms_learning_rate', _DEFAULTS.rms_learning_rate,
+                                        'RMSprop warm-up: rate of the RMSprop part (Akiba et al.: 3e-4).')
+_ALPHA_SGD_CENTER_EPOCHS = flags.DEFINE_float('alpha_sgd_center_epochs', _DEFAULTS.alpha_sgd_center_epochs,
+                                              'RMSprop warm-up: epoch where the blend is half SGD (Akiba: 10).')
+_ALPHA_SGD_PERIOD_EPOCHS = flags.DEFINE_float('alpha_sgd_period_epochs', _DEFAULTS.alpha_sgd_period_epochs,
+                                              'RMSprop warm-up: pure SGD from center + period/2 (Akiba: 5).')
 _WEIGHT_DECAY = flags.DEFINE_float('weight_decay', _DEFAULTS.weight_decay,
                                    'L2 weight decay on kernels (never on batch-norm parameters or biases).')
 _LABEL_SMOOTHING = flags.DEFINE_float('label_smoothing', _DEFAULTS.label_smoothing,
                                       'Label smoothing (0.1 in the large-batch recipes).')
 _WARMUP_EPOCHS = flags.DEFINE_float('warmup_epochs', _DEFAULTS.warmup_epochs, 'Linear warm-up from 0, in epochs.')
-_LR_DECAY = flags.DEFINE_enum('lr_decay', _DEFAULTS.lr_decay, ['step', 'polynomial', 'cosine'],
-                              'Decay after warm-up.')
+_LR_DECAY = flags.DEFINE_enum('lr_decay', _DEFAULTS.lr_decay, ['step', 'polynomial', 'cosine', 'slow_start'],
+                              "Decay after warm-up; 'slow_start' is Akiba et al.'s x0.5/0.075/0.01/0.001 at "
+                              'epochs 0/40/70/85.')
 _LR_DECAY_EPOCHS = flags.DEFINE_list('lr_decay_epochs', [str(e) for e in _DEFAULTS.lr_decay_epochs],
                                      "Epochs at which 'step' decay multiplies the rate by 0.1.")
 _END_LEARNING_RATE = flags.DEFINE_float('end_learning_rate', _DEFAULTS.end_learning_rate,
@@ -83,6 +118,8 @@ _TPU = flags.DEFINE_string('tpu', _DEFAULTS.tpu, "TPU name, or 'local' on a TPU 
 # Run.
 _MODEL_DIR = flags.DEFINE_string('model_dir', None, 'Checkpoints, TensorBoard logs and results.json; a run '
                                  'restarted with the same model_dir resumes from its latest checkpoint.')
+_EXPORT_SAVED_MODEL = flags.DEFINE_bool('export_saved_model', False, 'Write MODEL_DIR/saved_model (images -> '
+                                        'logits, inference mode) at the end of training.')
 _CHECKPOINT_EVERY_STEPS = flags.DEFINE_integer('checkpoint_every_steps', _DEFAULTS.checkpoint_every_steps,
                                                'Steps between checkpoints (one more is written at the end).')
 _EVAL_EVERY_EPOCHS = flags.DEFINE_integer('eval_every_epochs', _DEFAULTS.eval_every_epochs,
@@ -92,6 +129,17 @@ _LOG_EVERY_STEPS = flags.DEFINE_integer('log_every_steps', _DEFAULTS.log_every_s
 _SEED = flags.DEFINE_integer('seed', None, 'Seed of shuffles and initialization (None: random).')
 
 
+def parse_mesh_shape(text):
+    """'16x32' -> (16, 32); None stays None."""
+    if not text:
+        return None
+    try:
+        x, y = (int(part) for part in text.lower().split('x'))
+    except ValueError:
+        raise ConfigError(f"--mesh_shape must look like 16x32 (chips in x and y), got {text!r}") from None
+    return x, y
+
+
 def config_from_flags() -> Config:
     return Config(
         data_dir=_DATA_DIR.value, num_classes=_NUM_CLASSES.value, label_offset=_LABEL_OFFSET.value,
@@ -99,8 +147,17 @@ def config_from_flags() -> Config:
         image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value,
         random_flip=_RANDOM_FLIP.value, shuffle_buffer=_SHUFFLE_BUFFER.value,
         depth=int(_DEPTH.value), norm=_NORM.value, bn_momentum=_BN_MOMENTUM.value, bn_epsilon=_BN_EPSILON.value,
+        bn_group_size=_BN_GROUP_SIZE.value, bn_span=_BN_SPAN.value,
+        bn_inference_statistics=_BN_INFERENCE_STATISTICS.value, bn_reestimate_batches=_BN_REESTIMATE_BATCHES.value,
+        mesh_shape=parse_mesh_shape(_MESH_SHAPE.value), cores_per_chip=_CORES_PER_CHIP.value,
+        export_saved_model=_EXPORT_SAVED_MODEL.value,
         global_batch_size=_GLOBAL_BATCH_SIZE.value, eval_batch_size=_EVAL_BATCH_SIZE.value,
-        train_epochs=_TRAIN_EPOCHS.value, base_learning_rate=_BASE_LEARNING_RATE.value, momentum=_MOMENTUM.value,
+        train_epochs=_TRAIN_EPOCHS.value, total_steps=_TOTAL_STEPS.value, optimizer=_OPTIMIZER.value,
+        base_learning_rate=_BASE_LEARNING_RATE.value, learning_rate=_LEARNING_RATE.value, momentum=_MOMENTUM.value,
+        nesterov=_NESTEROV.value, lars_eeta=_LARS_EETA.value, lars_epsilon=_LARS_EPSILON.value,
+        lars_trust_ratio=_LARS_TRUST_RATIO.value, rms_learning_rate=_RMS_LEARNING_RATE.value,
+        alpha_sgd_center_epochs=_ALPHA_SGD_CENTER_EPOCHS.value,
+        alpha_sgd_period_epochs=_ALPHA_SGD_PERIOD_EPOCHS.value,
         weight_decay=_WEIGHT_DECAY.value, label_smoothing=_LABEL_SMOOTHING.value,
         warmup_epochs=_WARMUP_EPOCHS.value, lr_decay=_LR_DECAY.value,
         lr_decay_epochs=tuple(float(e) for e in _LR_DECAY_EPOCHS.value),

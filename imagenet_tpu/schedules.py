@@ -72,3 +72,48 @@ class WarmupCosineDecay(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         return dict(peak=self.peak, warmup_steps=self.warmup_steps, total_steps=self.total_steps)
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class PiecewiseConstantEpochs(keras.optimizers.schedules.LearningRateSchedule):
+    """peak * multipliers[i] between boundaries[i-1] and boundaries[i] (in steps); Akiba et al.'s slow start is
+    multipliers (0.5, 0.075, 0.01, 0.001) at epochs (40, 70, 85) of 90."""
+
+    def __init__(self, peak: float, boundaries: Sequence[int], multipliers: Sequence[float]):
+        if len(multipliers) != len(boundaries) + 1:
+            raise ValueError('need one more multiplier than boundaries')
+        self.peak, self.boundaries, self.multipliers = peak, [int(b) for b in boundaries], list(multipliers)
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        index = tf.add_n([tf.cast(step >= b, tf.int32) for b in self.boundaries]) if self.boundaries else 0
+        return self.peak * tf.gather(tf.constant(self.multipliers, tf.float32), index)
+
+    def get_config(self):
+        return dict(peak=self.peak, boundaries=self.boundaries, multipliers=self.multipliers)
+
+
+SLOW_START_EPOCHS = (40.0, 70.0, 85.0)
+SLOW_START_MULTIPLIERS = (0.5, 0.075, 0.01, 0.001)
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class AlphaSGD(keras.optimizers.schedules.LearningRateSchedule):
+    """Akiba et al.'s blend from RMSprop to SGD, alpha_sgd(t) in [0, 1], t in steps:
+
+        alpha_sgd = 1/2 * exp(2 (t - center) / period)        for t < center
+        alpha_sgd = min(1, 1/2 + (t - center) / period)        for t >= center
+
+    The two pieces meet at t = center with the same value (1/2) and slope (1/period), so the blend is smooth;
+    it reaches pure SGD at center + period / 2. Akiba et al.: center 10 epochs, period 5 epochs.
+    """
+
+    def __init__(self, center_steps: float, period_steps: float):
+        self.center_steps, self.period_steps = float(center_steps), float(max(period_steps, 1e-9))
+
+    def __call__(self, step):
+        t = (tf.cast(step, tf.float32) - self.center_steps) / self.period_steps
+        return tf.where(t < 0, 0.5 * tf.exp(2.0 * tf.minimum(t, 0.0)), tf.minimum(1.0, 0.5 + t))
+
+    def get_config(self):
+        return dict(center_steps=self.center_steps, period_steps=self.period_steps)

@@ -13,36 +13,71 @@ from typing import List, NamedTuple, Optional
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import input_pipeline, regularization, resnet, schedules, strategy as strategy_lib, tfrecord
+from imagenet_tpu import batch_norm, input_pipeline, lars, regularization, resnet, rmsprop_warmup, schedules, tfrecord
+from imagenet_tpu import strategy as strategy_lib
 from imagenet_tpu.config import Config, ConfigError
 
 
-def build_network(config: Config) -> keras.Model:
-    """The plain Keras ResNet: images -> logits."""
-    if config.norm == 'batch_norm':
-        norm = resnet.batch_norm_factory(config.bn_momentum, config.bn_epsilon)
-    else:
+def build_network(config: Config, num_replicas: int = 1) -> keras.Model:
+    """The plain Keras ResNet: images -> logits, with batch norm as configured for ``num_replicas`` replicas.
+
+    Per-replica batch norm with moving averages is Keras's own (fused) layer; replica groups, and the
+    Akiba et al. or re-estimated inference statistics, use batch_norm.GroupBatchNormalization.
+    """
+    if config.norm == 'none':
         norm = resnet.no_norm_factory
+    else:
+        group_size = config.bn_group_size_for(num_replicas)
+        if group_size == 1 and config.bn_inference_statistics == 'moving_average':
+            norm = resnet.batch_norm_factory(config.bn_momentum, config.bn_epsilon)
+        else:
+            norm = batch_norm.group_batch_norm_factory(
+                group_size, config.bn_momentum, config.bn_epsilon, config.bn_inference_statistics,
+                config.mesh_shape, config.cores_per_chip)
     return resnet.resnet(config.depth, config.num_classes, image_size=config.image_size, norm=norm)
 
 
 def build_learning_rate(config: Config) -> keras.optimizers.schedules.LearningRateSchedule:
     """The configured schedule, with epochs turned into steps of config.global_batch_size images."""
-    steps_per_epoch = config.steps_per_epoch
-    warmup_steps = int(round(config.warmup_epochs * steps_per_epoch))
+    warmup_steps = config.epochs_to_steps(config.warmup_epochs)
     peak = config.peak_learning_rate
     if config.lr_decay == 'step':
-        boundaries = [int(round(epoch * steps_per_epoch)) for epoch in config.lr_decay_epochs]
+        boundaries = [config.epochs_to_steps(epoch) for epoch in config.lr_decay_epochs]
         return schedules.WarmupStepDecay(peak, warmup_steps, boundaries)
     if config.lr_decay == 'polynomial':
         return schedules.WarmupPolynomialDecay(peak, warmup_steps, config.train_steps, config.end_learning_rate,
                                                config.polynomial_power)
+    if config.lr_decay == 'slow_start':
+        boundaries = [config.epochs_to_steps(epoch) for epoch in schedules.SLOW_START_EPOCHS]
+        return schedules.PiecewiseConstantEpochs(peak, boundaries, schedules.SLOW_START_MULTIPLIERS)
     return schedules.WarmupCosineDecay(peak, warmup_steps, config.train_steps)
 
 
+def build_alpha_sgd(config: Config) -> schedules.AlphaSGD:
+    """RMSprop warm-up's blend schedule, in steps."""
+    return schedules.AlphaSGD(config.epochs_to_steps(config.alpha_sgd_center_epochs),
+                              config.epochs_to_steps(config.alpha_sgd_period_epochs))
+
+
 def build_optimizer(config: Config) -> keras.optimizers.Optimizer:
-    """Momentum SGD on the configured schedule (weight decay is in the loss, see Classifier)."""
-    return keras.optimizers.SGD(build_learning_rate(config), momentum=config.momentum)
+    """Momentum SGD, LARS or RMSprop warm-up on the configured schedule.
+
+    LARS applies weight decay inside its update; for the others it is in the loss (see loss_weight_decay).
+    """
+    learning_rate = build_learning_rate(config)
+    if config.optimizer == 'lars':
+        return lars.LARS(learning_rate, momentum=config.momentum, weight_decay=config.weight_decay,
+                         eeta=config.lars_eeta, epsilon=config.lars_epsilon, nesterov=config.nesterov,
+                         trust_ratio=config.lars_trust_ratio)
+    if config.optimizer == 'rmsprop_warmup':
+        return rmsprop_warmup.RMSpropWarmup(learning_rate, build_alpha_sgd(config),
+                                            rms_learning_rate=config.rms_learning_rate, momentum=config.momentum)
+    return keras.optimizers.SGD(learning_rate, momentum=config.momentum, nesterov=config.nesterov)
+
+
+def loss_weight_decay(config: Config) -> float:
+    """Weight decay added to the loss: none with LARS, which decays inside its update."""
+    return 0.0 if config.optimizer == 'lars' else config.weight_decay
 
 
 def smoothed_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, label_smoothing: float = 0.0) -> tf.Tensor:
@@ -105,10 +140,11 @@ class Classifier(keras.Model):
         return self._update_metrics(labels, logits, per_example_loss, weights)
 
 
-def build_classifier(config: Config) -> Classifier:
-    """Network and optimizer, compiled; call inside ``strategy.scope()``."""
-    classifier = Classifier(build_network(config), global_batch_size=config.global_batch_size,
-                            weight_decay=config.weight_decay, label_smoothing=config.label_smoothing)
+def build_classifier(config: Config, num_replicas: Optional[int] = None) -> Classifier:
+    """Network and optimizer, compiled; call inside ``strategy.scope()`` (the replica count comes from it)."""
+    num_replicas = num_replicas or tf.distribute.get_strategy().num_replicas_in_sync
+    classifier = Classifier(build_network(config, num_replicas), global_batch_size=config.global_batch_size,
+                            weight_decay=loss_weight_decay(config), label_smoothing=config.label_smoothing)
     classifier.compile(optimizer=build_optimizer(config))
     # Create the optimizer's slots now, so a checkpoint restores into existing variables.
     classifier.optimizer.build(classifier.network.trainable_variables)
@@ -120,6 +156,8 @@ def check_replicas(config: Config, num_replicas: int) -> None:
         value = getattr(config, name)
         if value % num_replicas:
             raise ConfigError(f'--{name}={value} is not divisible by the {num_replicas} replicas')
+    if config.norm != 'none':
+        config.bn_group_size_for(num_replicas)
 
 
 def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False):
@@ -219,6 +257,20 @@ class Checkpoints(keras.callbacks.Callback):
         self._save(self._step())
 
 
+class ReestimateBatchNorm(keras.callbacks.Callback):
+    """Before each evaluation, recomputes the batch-norm statistics from ``steps`` training batches."""
+
+    def __init__(self, network: keras.Model, train_data, steps: int, strategy: tf.distribute.Strategy):
+        super().__init__()
+        self.network, self.train_data, self.steps, self.strategy = network, train_data, steps, strategy
+        self._iterator = None
+
+    def on_test_begin(self, logs=None):
+        if self._iterator is None:
+            self._iterator = iter(self.train_data)
+        batch_norm.reestimate_statistics(self.network, self._iterator, self.steps, self.strategy)
+
+
 def checkpoint_manager(classifier: Classifier, model_dir: str) -> tf.train.CheckpointManager:
     """Checkpoints of network and optimizer in model_dir/checkpoints, named ckpt-STEP; the last 3 are kept."""
     checkpoint = tf.train.Checkpoint(network=classifier.network, optimizer=classifier.optimizer)
@@ -272,6 +324,18 @@ def ensure_writable(model_dir: str) -> None:
         raise ConfigError(f'--model_dir {model_dir} is not writable ({type(error).__name__})') from None
 
 
+def export_saved_model(network: keras.Model, path: str) -> None:
+    """Writes ``network`` as a SavedModel whose serving signature maps images to logits (inference mode, with
+    the batch-norm statistics chosen by the config); it loads and runs without any strategy."""
+    image_size = network.input_shape[1]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, image_size, image_size, 3], tf.float32, name='images')])
+    def serve(images):
+        return {'logits': network(images, training=False)}
+
+    tf.saved_model.save(network, path, signatures={'serving_default': serve})
+
+
 def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy] = None,
                        synthetic: bool = False, print_fn=print) -> dict:
     """Trains for config.train_steps (resuming from config.model_dir), evaluates, returns the final metrics.
@@ -292,6 +356,9 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     progress = Progress(config.train_steps, config.steps_per_epoch, config.global_batch_size,
                         config.log_every_steps, print_fn)
     callbacks = [progress]
+    if config.norm != 'none' and config.bn_inference_statistics == 'reestimate':
+        callbacks.append(ReestimateBatchNorm(classifier.network, train_data, config.bn_reestimate_batches,
+                                             strategy))
     if config.model_dir:
         manager = checkpoint_manager(classifier, config.model_dir)
         restored = restore_latest(manager)
@@ -319,7 +386,8 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     results = {'steps': int(classifier.optimizer.iterations.numpy()), 'train_loss': float(train_loss),
                'images_per_second': float(images_per_second)}
     if eval_data is not None:
-        evaluated = classifier.evaluate(eval_data, steps=config.eval_steps, verbose=0, return_dict=True)
+        evaluated = classifier.evaluate(eval_data, steps=config.eval_steps, verbose=0, return_dict=True,
+                                        callbacks=[c for c in callbacks if isinstance(c, ReestimateBatchNorm)])
         results.update({name: float(value) for name, value in evaluated.items()})
         results['eval_images'] = int(classifier.top_1.count.numpy())
         print_fn(f'held-out top-1 {100 * results["top_1"]:.2f}% top-5 {100 * results["top_5"]:.2f}% '
@@ -327,6 +395,10 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
         if results['eval_images'] != config.num_eval_images:
             print_fn(f'warning: evaluated {results["eval_images"]} images but --num_eval_images='
                      f'{config.num_eval_images}; set it to the size of the validation set')
+    if config.model_dir and config.export_saved_model:
+        path = os.path.join(config.model_dir, 'saved_model')
+        export_saved_model(classifier.network, path)
+        print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
     if config.model_dir:
         with tf.io.gfile.GFile(os.path.join(config.model_dir, 'results.json'), 'w') as f:

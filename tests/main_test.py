@@ -10,7 +10,7 @@ from absl.testing import flagsaver, parameterized
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import main
+from imagenet_tpu import main, schedules, train
 
 helpers.use_eight_cpus()
 
@@ -79,13 +79,22 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
 
 
     @parameterized.parameters(*sorted(glob.glob(os.path.join(REPO, 'flags', '*.cfg'))))
-    def test_every_recipe_parses_into_a_valid_config(self, path):
+    def test_every_recipe_parses_and_builds_its_optimizer_and_schedule(self, path):
         with flagsaver.flagsaver():
             flags.FLAGS(['imagenet-tpu-train', f'--flagfile={path}'])
             config = main.config_from_flags()
         with open(path) as f:
             lines = [line.strip() for line in f if line.startswith('--global_batch_size=')]
         self.assertEqual(lines, [f'--global_batch_size={config.global_batch_size}'])
+        optimizer = train.build_optimizer(config)
+        self.assertEqual(type(optimizer).__name__, {'sgd': 'SGD', 'lars': 'LARS',
+                                                    'rmsprop_warmup': 'RMSpropWarmup'}[config.optimizer])
+        rate = train.build_learning_rate(config)
+        peak = max(float(rate(step)) for step in range(0, config.train_steps + 1, max(1, config.train_steps // 200)))
+        # Akiba et al.'s slow start never reaches eta itself: it starts at 0.5 eta.
+        highest = schedules.SLOW_START_MULTIPLIERS[0] if config.lr_decay == 'slow_start' else 1.0
+        self.assertAllClose(peak, highest * config.peak_learning_rate, rtol=0.02)
+        self.assertGreater(peak, 0)
 
 
 if __name__ == '__main__':

@@ -114,6 +114,31 @@ class ScheduleTest(tf.test.TestCase):
                 expected = 1e-4 + (31.2 - 1e-4) * (1 - t) ** 2
             self.assertAllClose(rate(step), expected, rtol=1e-5)
 
+    def test_mlperf_v06_recipe_schedule(self):
+        # Batch 32768: 25 warm-up epochs = 25 * 1281167 / 32768 = 977.4 -> 977 steps; 2983 steps in all.
+        config = Config(global_batch_size=32768, total_steps=2983, learning_rate=31.2, warmup_epochs=25,
+                        lr_decay='polynomial', end_learning_rate=1e-4, polynomial_power=2)
+        rate = train.build_learning_rate(config)
+        table = {0: 0.0, 488: 31.2 * 488 / 977, 977: 31.2, 1980: 1e-4 + (31.2 - 1e-4) * (1 - 1003 / 2006) ** 2,
+                 2983: 1e-4}
+        for step, expected in table.items():
+            self.assertAllClose(rate(step), expected, rtol=1e-5)
+
+    def test_slow_start_boundaries(self):
+        # Akiba et al., batch 32768: eta = 0.1 * 128 = 12.8; epochs 40/70/85 = 1563.9/2736.9/3323.3 -> 1564/2737/3323.
+        config = Config(global_batch_size=32768, base_learning_rate=0.1, lr_decay='slow_start', warmup_epochs=0)
+        rate = train.build_learning_rate(config)
+        table = {0: 6.4, 1563: 6.4, 1564: 0.96, 2736: 0.96, 2737: 0.128, 3322: 0.128, 3323: 0.0128, 3500: 0.0128}
+        for step, expected in table.items():
+            self.assertAllClose(rate(step), expected, rtol=1e-5)
+
+    def test_alpha_sgd_blend(self):
+        alpha = schedules.AlphaSGD(center_steps=100, period_steps=50)
+        table = {0: 0.5 * np.exp(-4.0), 50: 0.5 * np.exp(-2.0), 99: 0.5 * np.exp(-2 / 50), 100: 0.5, 110: 0.7,
+                 125: 1.0, 500: 1.0}
+        for step, expected in table.items():
+            self.assertAllClose(alpha(step), expected, rtol=1e-5)
+
     def test_cosine_and_serialization(self):
         rate = schedules.WarmupCosineDecay(1.0, 0, 100)
         self.assertAllClose([rate(s) for s in (0, 50, 100)], [1.0, 0.5, 0.0], atol=1e-6)

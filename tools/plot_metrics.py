@@ -10,8 +10,11 @@ import sys
 
 from absl import app, flags
 
-_MODEL_DIR = flags.DEFINE_string('model_dir', None, 'The run directory (holds logs/train and logs/validation).')
-_OUTPUT = flags.DEFINE_string('output', None, 'PNG path; default MODEL_DIR/metrics.png.')
+
+def define_flags():
+    """Called only when run as a program, so that importing plot() beside imagenet_tpu.main defines no flags."""
+    flags.DEFINE_string('model_dir', None, 'The run directory (holds logs/train and logs/validation).')
+    flags.DEFINE_string('output', None, 'PNG path; default MODEL_DIR/metrics.png.')
 
 PANELS = (('loss', 'loss'), ('top_1', 'top-1 accuracy'), ('learning_rate', 'learning rate'),
           ('images_per_second', 'training images/s'))
@@ -58,14 +61,16 @@ def plot(model_dir: str, output: str) -> str:
 
 def main(argv):
     del argv
-    if not _MODEL_DIR.value:
+    model_dir, output = flags.FLAGS.model_dir, flags.FLAGS.output
+    if not model_dir:
         sys.exit('error: --model_dir is required')
     try:
-        path = plot(_MODEL_DIR.value, _OUTPUT.value or os.path.join(_MODEL_DIR.value, 'metrics.png'))
+        path = plot(model_dir, output or os.path.join(model_dir, 'metrics.png'))
     except FileNotFoundError as error:
         sys.exit(f'error: {error}')
     print(f'wrote {path}')
 
 
 if __name__ == '__main__':
+    define_flags()
     app.run(main)

@@ -1,0 +1,106 @@
+"""LARS: layer-wise adaptive rate scaling (You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional
+Networks", arXiv 1708.03888), with the update of the MLPerf ResNet TPU submissions and TensorFlow contrib.
+
+For each variable w with gradient g (MLPerf / contrib, the default):
+
+    trust = eeta * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)      (trust = 1 if ||w|| = 0 or ||g|| = 0)
+    v     <- momentum * v + learning_rate * trust * (g + weight_decay * w)
+    w     <- w - v                                   (Nesterov: w <- w - (momentum * v + lr * trust * (g + wd * w)))
+
+Variables matched by the exclusion rule (default: batch-norm parameters and biases, see regularization.py) get
+neither weight decay nor the trust ratio: v <- momentum * v + learning_rate * g.
+
+``trust_ratio='tfm'`` selects tf-models-official's variant, for users porting its hyperparameters: the decay is
+added first, g' = g + weight_decay * w, then trust = eeta * ||w|| / ||g'|| (same zero guards, no epsilon) and
+v <- momentum * v + learning_rate * trust * g'.
+
+Weight decay is part of this update: train with it here and not also in the loss (train.py does this).
+"""
+
+from typing import Callable, Optional
+
+import tensorflow as tf
+import tf_keras as keras
+
+from imagenet_tpu import regularization
+
+TRUST_RATIOS = ('mlperf', 'tfm')
+
+
+def default_exclusion(variable: tf.Variable) -> bool:
+    """True for variables that get neither weight decay nor the trust ratio: batch-norm parameters, biases."""
+    return not regularization.is_decayed(variable)
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class LARS(keras.optimizers.Optimizer):
+    """Momentum SGD with a per-variable trust ratio (see the module docstring for the exact update).
+
+    Args:
+      learning_rate: float or LearningRateSchedule; the MLPerf recipes peak at 24.7-31.2 for batch 32k-64k.
+        Default 1.0.
+      momentum: float, default 0.9.
+      weight_decay: L2 coefficient applied inside the update, default 1e-4.
+      eeta: trust coefficient, default 0.001 (MLPerf).
+      epsilon: added to the trust ratio's denominator, default 0.0 (MLPerf v0.6 used 1e-5, v0.7 0).
+      nesterov: Nesterov momentum, default False.
+      trust_ratio: 'mlperf' (default) or 'tfm' (tf-models-official's variant).
+      exclude: callable(variable) -> bool; True means no weight decay and no trust ratio. Default:
+        batch-norm parameters and biases (rank <= 1). Not serialized by get_config.
+      name, **kwargs: as for every Keras optimizer (e.g. global_clipnorm, jit_compile).
+    """
+
+    def __init__(self, learning_rate=1.0, momentum: float = 0.9, weight_decay: float = 1e-4, eeta: float = 0.001,
+                 epsilon: float = 0.0, nesterov: bool = False, trust_ratio: str = 'mlperf',
+                 exclude: Optional[Callable[[tf.Variable], bool]] = None, name: str = 'LARS', **kwargs):
+        super().__init__(name=name, **kwargs)
+        if trust_ratio not in TRUST_RATIOS:
+            raise ValueError(f'trust_ratio must be one of {TRUST_RATIOS}, got {trust_ratio!r}')
+        self._learning_rate = self._build_learning_rate(learning_rate)
+        # Not `self.weight_decay`: the Keras base class would apply that a second time, decoupled, every step.
+        self.momentum, self.weight_decay_rate, self.eeta = momentum, weight_decay, eeta
+        self.epsilon, self.nesterov, self.trust_ratio = epsilon, nesterov, trust_ratio
+        self.exclude = exclude or default_exclusion
+
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, '_built', False):
+            return
+        self._built = True
+        self.velocities = [self.add_variable_from_reference(v, 'velocity') for v in var_list]
+        # Decided once per variable, in Python: the step itself has no per-variable host work.
+        self._excluded = {self._var_key(v): bool(self.exclude(v)) for v in var_list}
+
+    def _trust(self, w_norm, g_norm, denominator):
+        ratio = self.eeta * w_norm / denominator
+        return tf.where(tf.logical_and(w_norm > 0, g_norm > 0), ratio, tf.ones_like(ratio))
+
+    def update_step(self, gradient, variable):
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = tf.convert_to_tensor(gradient)
+        lr = tf.cast(self.learning_rate, variable.dtype)
+        momentum = tf.cast(self.momentum, variable.dtype)
+        velocity = self.velocities[self._index_dict[self._var_key(variable)]]
+        if self._excluded[self._var_key(variable)]:
+            scaled = lr * gradient
+        else:
+            decayed = gradient + self.weight_decay_rate * variable
+            w_norm, g_norm = tf.norm(variable), tf.norm(gradient)
+            if self.trust_ratio == 'mlperf':
+                trust = self._trust(w_norm, g_norm, g_norm + self.weight_decay_rate * w_norm + self.epsilon)
+            else:
+                decayed_norm = tf.norm(decayed)
+                trust = self._trust(w_norm, decayed_norm, decayed_norm)
+            scaled = lr * trust * decayed
+        velocity.assign(momentum * velocity + scaled)
+        if self.nesterov:
+            variable.assign_sub(momentum * velocity + scaled)
+        else:
+            variable.assign_sub(velocity)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(learning_rate=self._serialize_hyperparameter(self._learning_rate), momentum=self.momentum,
+                      weight_decay=self.weight_decay_rate, eeta=self.eeta, epsilon=self.epsilon, nesterov=self.nesterov,
+                      trust_ratio=self.trust_ratio)
+        return config

@@ -1,0 +1,157 @@
+"""LARS and RMSprop warm-up against NumPy implementations of their updates, step by step."""
+
+import dataclasses
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import helpers
+from imagenet_tpu import lars, rmsprop_warmup, schedules, train
+from imagenet_tpu.config import Config
+
+helpers.use_eight_cpus()
+
+
+def lars_numpy(w, g, v, lr, momentum, wd, eeta, eps, nesterov, excluded, variant='mlperf'):
+    """One LARS step as written in the papers/MLPerf (and tf-models-official for variant='tfm')."""
+    if excluded:
+        scaled = lr * g
+    elif variant == 'mlperf':
+        w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(g)
+        trust = eeta * w_norm / (g_norm + wd * w_norm + eps) if w_norm > 0 and g_norm > 0 else 1.0
+        scaled = lr * trust * (g + wd * w)
+    else:
+        decayed = g + wd * w
+        w_norm, d_norm = np.linalg.norm(w), np.linalg.norm(decayed)
+        trust = eeta * w_norm / d_norm if w_norm > 0 and d_norm > 0 else 1.0
+        scaled = lr * trust * decayed
+    v = momentum * v + scaled
+    w = w - (momentum * v + scaled if nesterov else v)
+    return w, v
+
+
+def gradients_for(step, shapes):
+    rng = np.random.default_rng(100 + step)
+    return [rng.normal(size=s).astype(np.float32) for s in shapes]
+
+
+class LARSTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ('plain', 1e-4, False, 'mlperf', 1e-5),
+        ('no_weight_decay', 0.0, False, 'mlperf', 0.0),
+        ('nesterov', 1e-4, True, 'mlperf', 0.0),
+        ('tfm_variant', 5e-4, False, 'tfm', 0.0),
+        ('tfm_nesterov', 5e-4, True, 'tfm', 0.0),
+    )
+    def test_five_steps_match_numpy(self, wd, nesterov, variant, eps):
+        rng = np.random.default_rng(0)
+        kernel0, bias0 = rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(4,)).astype(np.float32)
+        kernel, bias = tf.Variable(kernel0), tf.Variable(bias0)
+        rate = schedules.WarmupPolynomialDecay(2.0, 2, 5)   # the rate changes every step
+        optimizer = lars.LARS(rate, momentum=0.9, weight_decay=wd, eeta=0.01, epsilon=eps, nesterov=nesterov,
+                              trust_ratio=variant)
+        expected = [(kernel0, np.zeros_like(kernel0)), (bias0, np.zeros_like(bias0))]
+        for step in range(5):
+            grads = gradients_for(step, [(3, 4), (4,)])
+            optimizer.apply_gradients(zip([tf.constant(g) for g in grads], [kernel, bias]))
+            lr = float(rate(step))
+            expected = [lars_numpy(w, g, v, lr, 0.9, wd, 0.01, eps, nesterov, excluded=(i == 1), variant=variant)
+                        for i, ((w, v), g) in enumerate(zip(expected, grads))]
+            self.assertAllClose(kernel, expected[0][0], rtol=1e-5, atol=1e-6)
+            self.assertAllClose(bias, expected[1][0], rtol=1e-5, atol=1e-6)
+
+    def test_trust_ratio_is_one_for_zero_weights_or_zero_gradients(self):
+        zero_weights, ones = tf.Variable(tf.zeros([2, 2])), tf.ones([2, 2])
+        optimizer = lars.LARS(0.5, momentum=0.0, weight_decay=0.0, eeta=0.001)
+        optimizer.apply_gradients([(ones, zero_weights)])
+        self.assertAllClose(zero_weights, -0.5 * np.ones((2, 2)))  # trust 1, not 0 (which would freeze it)
+        weights = tf.Variable(tf.ones([2, 2]))
+        lars.LARS(0.5, momentum=0.0, weight_decay=0.0).apply_gradients([(tf.zeros([2, 2]), weights)])
+        self.assertAllClose(weights, np.ones((2, 2)))
+
+    def test_default_exclusion_is_batch_norm_and_biases(self):
+        model = keras.Sequential([keras.Input((4, 4, 3)), keras.layers.Conv2D(2, 3),
+                                  keras.layers.BatchNormalization(), keras.layers.Flatten(), keras.layers.Dense(2)])
+        excluded = sorted(v.name.split('/')[-1].split(':')[0] for v in model.trainable_variables
+                          if lars.default_exclusion(v))
+        self.assertEqual(excluded, ['beta', 'bias', 'bias', 'gamma'])
+
+    def test_serialization_round_trip(self):
+        optimizer = lars.LARS(schedules.WarmupCosineDecay(3.0, 5, 50), momentum=0.95, eeta=0.002,
+                              trust_ratio='tfm', nesterov=True)
+        restored = lars.LARS.from_config(optimizer.get_config())
+        self.assertEqual((restored.momentum, restored.eeta, restored.trust_ratio, restored.nesterov),
+                         (0.95, 0.002, 'tfm', True))
+
+    def test_eight_replicas_equal_one_device(self):
+        config = dataclasses.replace(EQUIVALENCE, optimizer='lars', learning_rate=2.0, lars_eeta=0.01)
+        single, multi, initial = train_both_ways(config)
+        self.assertGreater(max(np.abs(w - w0).max() for w, w0 in zip(single, initial)), 1e-4)
+        for a, b in zip(single, multi):
+            self.assertAllClose(a, b, atol=1e-5, rtol=1e-4)
+
+
+EQUIVALENCE = Config(depth=18, norm='none', num_classes=10, image_size=16, global_batch_size=16,
+                     num_train_images=48, warmup_epochs=0, lr_decay='cosine', train_epochs=1, weight_decay=1e-3,
+                     label_smoothing=0.1)
+
+
+def train_both_ways(config, steps=3):
+    """Trains config's network `steps` steps on 1 device and on 8 replicas from the same weights."""
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(steps * 16, 16, 16, 3)).astype(np.float32)
+    labels = rng.integers(0, 10, size=steps * 16).astype(np.int32)
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(16)
+    keras.utils.set_random_seed(0)
+    initial = train.build_network(config).get_weights()
+    results = []
+    for strategy in (tf.distribute.get_strategy(), helpers.mirrored(8)):
+        with strategy.scope():
+            classifier = train.build_classifier(config)
+            classifier.network.set_weights(initial)
+        classifier.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        results.append(classifier.network.get_weights())
+    return results[0], results[1], initial
+
+
+def rmsprop_warmup_numpy(w, g, m, d, lr, alpha_sgd, eta_rms=3e-4, mu1=0.9, mu2=0.99, eps=1e-8):
+    m = mu2 * m + (1 - mu2) * g ** 2
+    alpha_rms = (1 - alpha_sgd) * eta_rms / lr
+    d = mu1 * d - g * (alpha_sgd + alpha_rms / (np.sqrt(m) + eps))
+    return w + lr * d, m, d
+
+
+class RMSpropWarmupTest(tf.test.TestCase):
+
+    def test_steps_match_numpy_across_the_blend(self):
+        rng = np.random.default_rng(1)
+        w0 = rng.normal(size=(5,)).astype(np.float64)
+        variable = tf.Variable(w0)
+        alpha = schedules.AlphaSGD(center_steps=3, period_steps=4)   # 0.11, 0.18, 0.30, 0.5, 0.75, 1, 1
+        optimizer = rmsprop_warmup.RMSpropWarmup(0.1, alpha, rms_learning_rate=3e-3)
+        w, m, d = w0, np.zeros(5), np.zeros(5)
+        for step in range(7):
+            g = rng.normal(size=(5,))
+            optimizer.apply_gradients([(tf.constant(g), variable)])
+            a = 0.5 * np.exp(2 * (step - 3) / 4) if step < 3 else min(1.0, 0.5 + (step - 3) / 4)
+            w, m, d = rmsprop_warmup_numpy(w, g, m, d, 0.1, a, eta_rms=3e-3)
+            self.assertAllClose(variable, w, rtol=1e-6)
+
+    def test_equals_momentum_sgd_once_alpha_sgd_is_one(self):
+        rng = np.random.default_rng(2)
+        w0 = rng.normal(size=(4, 3)).astype(np.float32)
+        ours, reference = tf.Variable(w0), tf.Variable(w0)
+        warm = rmsprop_warmup.RMSpropWarmup(0.05, schedules.AlphaSGD(-100, 10), momentum=0.9)
+        sgd = keras.optimizers.SGD(0.05, momentum=0.9)
+        for _ in range(5):
+            g = tf.constant(rng.normal(size=(4, 3)).astype(np.float32))
+            warm.apply_gradients([(g, ours)])
+            sgd.apply_gradients([(g, reference)])
+        self.assertAllClose(ours, reference, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == '__main__':
+    tf.test.main()
