@@ -34,6 +34,10 @@ class Config:
     # Model.
     depth: int = 50                         # ResNet depth: 18, 34, 50, 101, 152 or 200
     norm: str = 'batch_norm'                # 'batch_norm' or 'none' (no normalization layers)
+    space_to_depth: bool = False            # MLPerf v0.7 TPU stem: 2x2 space-to-depth input, 4x4 stride-1 conv
+    precision: str = 'float32'              # 'float32', 'mixed_bfloat16' (TPU, recent CPUs) or 'mixed_float16' (GPU)
+    jit_compile: Optional[bool] = None      # XLA-compile the train step; None: on with GPUs, else off (TPUs always)
+    steps_per_execution: Optional[int] = None   # steps per host call; None: 100 (capped by an epoch) on TPU, else 1
     bn_momentum: float = 0.9
     bn_epsilon: float = 1e-5
     bn_group_size: int = 1                  # replicas whose batches one batch norm normalizes over (1 = per replica)
@@ -68,6 +72,9 @@ class Config:
     polynomial_power: float = 2.0
 
     # Distribution.
+    allreduce: str = 'default'              # gradient summation: the strategy's own, or '2d' (collectives.all_reduce_2d)
+    allreduce_dtype: str = 'float32'        # 'bfloat16' sums gradients in half the bytes ('2d' only)
+    allreduce_bucket_mb: float = 32.0       # gradients are packed into buckets of about this size ('2d')
     strategy: str = 'cpu'                   # 'cpu', 'mirrored' (GPUs), 'multi_worker', 'tpu' or 'default'
     num_cpu_devices: int = 8                # logical CPU devices for strategy='cpu'
     tpu: str = ''                           # TPU name or 'local', for strategy='tpu'
@@ -96,6 +103,14 @@ class Config:
                               f'got {self.bn_inference_statistics!r}')
         if self.bn_group_size < 1 or (self.bn_span is not None and self.bn_span < 1):
             raise ConfigError('bn_group_size and bn_span must be positive')
+        if self.allreduce not in ('default', '2d') or self.allreduce_dtype not in ('float32', 'bfloat16'):
+            raise ConfigError(f"allreduce must be 'default' or '2d' and allreduce_dtype 'float32' or 'bfloat16', "
+                              f'got {self.allreduce!r}, {self.allreduce_dtype!r}')
+        if self.precision not in ('float32', 'mixed_bfloat16', 'mixed_float16'):
+            raise ConfigError(f"precision must be 'float32', 'mixed_bfloat16' or 'mixed_float16', "
+                              f'got {self.precision!r}')
+        if self.steps_per_execution is not None and self.steps_per_execution < 1:
+            raise ConfigError(f'steps_per_execution must be positive, got {self.steps_per_execution}')
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f'unknown optimizer {self.optimizer!r}; choose one of {", ".join(OPTIMIZERS)}')
         if self.lars_trust_ratio not in ('mlperf', 'tfm'):

@@ -63,8 +63,10 @@ def _shard_files(paths: list, context: Optional[tf.distribute.InputContext]) -> 
 
 
 def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
-                  dtype: tf.DType = tf.float32) -> tf.data.Dataset:
-    """Endless shuffled training batches: images [per_replica_batch, size, size, 3] ``dtype``, labels int32."""
+                  dtype: Optional[tf.DType] = None) -> tf.data.Dataset:
+    """Endless shuffled training batches: images [per_replica_batch, size, size, 3] ``dtype`` (default
+    image_dtype(config)), labels int32."""
+    dtype = dtype or image_dtype(config)
     paths = list_shards(config.data_dir, tfrecord.TRAIN)
     files = _shard_files(paths, context).shuffle(len(paths), seed=config.seed).repeat()
     records = files.interleave(tf.data.TFRecordDataset, cycle_length=min(INTERLEAVE_CYCLE_LENGTH, len(paths)),
@@ -80,11 +82,24 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
 
     batches = records.map(parse, num_parallel_calls=AUTOTUNE)
     batches = batches.batch(_per_replica_batch(config.global_batch_size, context), drop_remainder=True)
-    return batches.prefetch(AUTOTUNE).with_options(dataset_options(deterministic=False))
+    return _finish(batches, config).with_options(dataset_options(deterministic=False))
+
+
+def image_dtype(config: Config) -> tf.DType:
+    """The dtype images leave the pipeline in: bfloat16 when the model computes in bfloat16."""
+    return tf.bfloat16 if config.precision == 'mixed_bfloat16' else tf.float32
+
+
+def _finish(batches: tf.data.Dataset, config: Config) -> tf.data.Dataset:
+    """Space-to-depth on whole batches when the model's stem expects it (cheaper than per image), then prefetch."""
+    if config.space_to_depth:
+        batches = batches.map(lambda images, *rest: (tf.nn.space_to_depth(images, 2), *rest),
+                              num_parallel_calls=AUTOTUNE)
+    return batches.prefetch(AUTOTUNE)
 
 
 def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
-                 dtype: tf.DType = tf.float32) -> tf.data.Dataset:
+                 dtype: Optional[tf.DType] = None) -> tf.data.Dataset:
     """Exactly config.eval_steps full batches of (images, labels, weights) per replica, in file order.
 
     Every validation image appears once with weight 1; the batches are then filled with zero images of
@@ -92,6 +107,7 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     waits on an empty one) and top-1 = sum(weight * correct) / sum(weight) is over the real images only.
     Assumes one input pipeline, or pipelines with equal shares of the images.
     """
+    dtype = dtype or image_dtype(config)
     paths = list_shards(config.data_dir, tfrecord.VALIDATION)
     records = _shard_files(paths, context).interleave(
         tf.data.TFRecordDataset, cycle_length=1, num_parallel_calls=AUTOTUNE, deterministic=True)
@@ -108,13 +124,16 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     batches = records.map(parse, num_parallel_calls=AUTOTUNE).concatenate(padding)
     batches = batches.batch(_per_replica_batch(config.eval_batch_size, context), drop_remainder=True)
     batches = batches.take(config.eval_steps * replicas_per_pipeline)
-    return batches.prefetch(AUTOTUNE).with_options(dataset_options(deterministic=True))
+    return _finish(batches, config).with_options(dataset_options(deterministic=True))
 
 
 def synthetic_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
-                      dtype: tf.DType = tf.float32) -> tf.data.Dataset:
+                      dtype: Optional[tf.DType] = None) -> tf.data.Dataset:
     """One fixed random batch repeated forever: measures the model without any input cost."""
+    dtype = dtype or image_dtype(config)
     batch = _per_replica_batch(config.global_batch_size, context)
     images = tf.random.stateless_normal([batch, config.image_size, config.image_size, 3], seed=[0, 1], dtype=dtype)
+    if config.space_to_depth:
+        images = tf.nn.space_to_depth(images, 2)
     labels = tf.random.stateless_uniform([batch], seed=[0, 2], maxval=config.num_classes, dtype=tf.int32)
     return tf.data.Dataset.from_tensors((images, labels)).repeat().with_options(dataset_options(False))

@@ -44,6 +44,15 @@ _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', _DEFAULTS.shuffle_buffe
 # Model.
 _DEPTH = flags.DEFINE_enum('depth', str(_DEFAULTS.depth), ['18', '34', '50', '101', '152', '200'], 'ResNet depth.')
 _NORM = flags.DEFINE_enum('norm', _DEFAULTS.norm, ['batch_norm', 'none'], 'Normalization layers.')
+_SPACE_TO_DEPTH = flags.DEFINE_bool('space_to_depth', False, "MLPerf v0.7's TPU stem: 2x2 space-to-depth images "
+                                    'and a 4x4 stride-1 convolution, exactly equivalent to the 7x7 stride-2 one.')
+_PRECISION = flags.DEFINE_enum('precision', 'float32', ['float32', 'mixed_bfloat16', 'mixed_float16'],
+                               'Compute precision: mixed_bfloat16 on TPU (and CPUs with bfloat16), mixed_float16 '
+                               'with loss scaling on GPU. Variables, BN statistics and the loss stay float32.')
+_JIT_COMPILE = flags.DEFINE_bool('jit_compile', None, 'XLA-compile the train step (default: on with GPUs, off on '
+                                 'CPUs; TPUs always compile).')
+_STEPS_PER_EXECUTION = flags.DEFINE_integer('steps_per_execution', None, 'Training steps per host call (default: '
+                                            '100 on TPU, capped by an epoch; 1 elsewhere).')
 _BN_MOMENTUM = flags.DEFINE_float('bn_momentum', _DEFAULTS.bn_momentum,
                                   'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short runs).')
 _BN_EPSILON = flags.DEFINE_float('bn_epsilon', _DEFAULTS.bn_epsilon, 'Batch-norm epsilon.')
@@ -58,8 +67,9 @@ _BN_INFERENCE_STATISTICS = flags.DEFINE_enum(
     "batch's, over all replicas); 'reestimate' (--bn_reestimate_batches training batches before each evaluation).")
 _BN_REESTIMATE_BATCHES = flags.DEFINE_integer('bn_reestimate_batches', _DEFAULTS.bn_reestimate_batches,
                                               "Training batches pooled by --bn_inference_statistics=reestimate.")
-_MESH_SHAPE = flags.DEFINE_string('mesh_shape', None, 'TPU torus as XxY chips (e.g. 16x32): batch-norm groups '
-                                  'become 2-D tiles of neighbouring chips. Default: contiguous replica ids.')
+_MESH_SHAPE = flags.DEFINE_string('mesh_shape', None, 'Torus as XxY chips (e.g. 16x32): batch-norm groups become '
+                                  '2-D tiles of neighbouring chips, and --allreduce=2d uses rows of X chips. '
+                                  'Default: contiguous BN groups; for 2d, the TPU topology or a square mesh.')
 _CORES_PER_CHIP = flags.DEFINE_integer('cores_per_chip', _DEFAULTS.cores_per_chip,
                                        'Replicas per chip on --mesh_shape (TPU v3: 2).')
 
@@ -108,6 +118,14 @@ _POLYNOMIAL_POWER = flags.DEFINE_float('polynomial_power', _DEFAULTS.polynomial_
                                        "Power of 'polynomial' decay (MLPerf: 2).")
 
 # Distribution.
+_ALLREDUCE = flags.DEFINE_enum('allreduce', 'default', ['default', '2d'],
+                               "Gradient summation: the strategy's own all-reduce, or '2d' (Ying et al.'s 2-D torus "
+                               'all-reduce: reduce-scatter in rows, all-reduce in columns, all-gather in rows).')
+_ALLREDUCE_DTYPE = flags.DEFINE_enum('allreduce_dtype', 'float32', ['float32', 'bfloat16'],
+                                     "Type gradients are summed in with --allreduce=2d (bfloat16: half the bytes).")
+_ALLREDUCE_BUCKET_MB = flags.DEFINE_float('allreduce_bucket_mb', 32.0,
+                                          'With --allreduce=2d, gradients are packed into buckets of about this '
+                                          'many MiB (a ResNet-50 has ~160 gradient tensors).')
 _STRATEGY = flags.DEFINE_string('strategy', _DEFAULTS.strategy,
                                 "'cpu' (N logical CPU devices), 'mirrored' (local GPUs), 'multi_worker' "
                                 "(TF_CONFIG), 'tpu' or 'default' (no distribution).")
@@ -146,6 +164,8 @@ def config_from_flags() -> Config:
         num_train_images=_NUM_TRAIN_IMAGES.value, num_eval_images=_NUM_EVAL_IMAGES.value,
         image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value,
         random_flip=_RANDOM_FLIP.value, shuffle_buffer=_SHUFFLE_BUFFER.value,
+        space_to_depth=_SPACE_TO_DEPTH.value, precision=_PRECISION.value, jit_compile=_JIT_COMPILE.value,
+        steps_per_execution=_STEPS_PER_EXECUTION.value,
         depth=int(_DEPTH.value), norm=_NORM.value, bn_momentum=_BN_MOMENTUM.value, bn_epsilon=_BN_EPSILON.value,
         bn_group_size=_BN_GROUP_SIZE.value, bn_span=_BN_SPAN.value,
         bn_inference_statistics=_BN_INFERENCE_STATISTICS.value, bn_reestimate_batches=_BN_REESTIMATE_BATCHES.value,
@@ -162,7 +182,8 @@ def config_from_flags() -> Config:
         warmup_epochs=_WARMUP_EPOCHS.value, lr_decay=_LR_DECAY.value,
         lr_decay_epochs=tuple(float(e) for e in _LR_DECAY_EPOCHS.value),
         end_learning_rate=_END_LEARNING_RATE.value, polynomial_power=_POLYNOMIAL_POWER.value,
-        strategy=_STRATEGY.value, num_cpu_devices=_NUM_CPU_DEVICES.value, tpu=_TPU.value,
+        allreduce=_ALLREDUCE.value, allreduce_dtype=_ALLREDUCE_DTYPE.value,
+        allreduce_bucket_mb=_ALLREDUCE_BUCKET_MB.value, strategy=_STRATEGY.value, num_cpu_devices=_NUM_CPU_DEVICES.value, tpu=_TPU.value,
         model_dir=_MODEL_DIR.value, checkpoint_every_steps=_CHECKPOINT_EVERY_STEPS.value,
         eval_every_epochs=_EVAL_EVERY_EPOCHS.value, log_every_steps=_LOG_EVERY_STEPS.value, seed=_SEED.value)
 

@@ -10,6 +10,7 @@ ResNet-50 at 1000 classes has 25,557,032 parameters (torchvision's count for the
 import functools
 from typing import Callable, Optional
 
+import numpy as np
 import tf_keras as keras
 
 # depth -> (block kind, blocks per stage)
@@ -76,20 +77,50 @@ def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: st
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
 
 
-def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
-           norm: Optional[NormFactory] = None, name: Optional[str] = None) -> keras.Model:
-    """A ResNet v1.5 classifier: images [batch, image_size, image_size, 3] -> logits [batch, num_classes] (float32).
+def space_to_depth_kernel(kernel: np.ndarray) -> np.ndarray:
+    """The 7x7 stride-2 stem kernel [7, 7, C, F] as the equivalent 4x4 stride-1 kernel [4, 4, 4C, F] that acts
+    on 2x2 space-to-depth input (tf.nn.space_to_depth(images, 2), channels ordered (row, column, channel)).
 
-    ``norm`` makes each normalization layer (default: batch_norm_factory()).
+    With SAME padding the 7x7 stride-2 convolution reads input rows 2i - 2 ... 2i + 4. Padding the kernel with a
+    zero 8th row and column makes that 2i - 2 ... 2i + 5: four 2x2 blocks, i - 1 ... i + 2, which is what a
+    4x4 stride-1 SAME convolution over the blocks reads (1 before, 2 after). Exact, so checkpoints convert.
+    """
+    size, _, channels, filters = kernel.shape
+    if size != 7:
+        raise ValueError(f'expected a 7x7 kernel, got {size}x{size}')
+    padded = np.zeros((8, 8, channels, filters), kernel.dtype)
+    padded[:7, :7] = kernel
+    # [8, 8] -> [4 (block row), 2 (row in block), 4 (block column), 2 (column in block)]
+    blocks = padded.reshape(4, 2, 4, 2, channels, filters).transpose(0, 2, 1, 3, 4, 5)
+    return blocks.reshape(4, 4, 4 * channels, filters)
+
+
+def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
+           norm: Optional[NormFactory] = None, space_to_depth: bool = False,
+           input_dtype: Optional[str] = None, name: Optional[str] = None) -> keras.Model:
+    """A ResNet v1.5 classifier: images -> logits [batch, num_classes] (float32).
+
+    Images are [batch, image_size, image_size, 3], or with ``space_to_depth`` (Google's MLPerf v0.7 TPU stem)
+    [batch, image_size / 2, image_size / 2, 12] = tf.nn.space_to_depth(images, 2), met by a 4x4 stride-1
+    convolution equivalent to the 7x7 stride-2 one (space_to_depth_kernel). ``norm`` makes each normalization
+    layer (default: batch_norm_factory()). ``input_dtype``: the images' dtype (default: the policy's compute
+    dtype, so bfloat16 images from the input pipeline are not cast twice).
     """
     if depth not in DEPTHS:
         raise ValueError(f'unsupported ResNet depth {depth}; choose one of {sorted(DEPTHS)}')
     kind, stage_blocks = DEPTHS[depth]
     block = _basic_block if kind == 'basic' else _bottleneck_block
     norm = norm or batch_norm_factory()
+    input_dtype = input_dtype or keras.mixed_precision.global_policy().compute_dtype
 
-    images = keras.Input((image_size, image_size, 3), name='images')
-    x = _conv(64, 7, 2, 'stem_conv')(images)
+    if space_to_depth:
+        if image_size % 2:
+            raise ValueError(f'space-to-depth needs an even image size, got {image_size}')
+        images = keras.Input((image_size // 2, image_size // 2, 12), name='images', dtype=input_dtype)
+        x = _conv(64, 4, 1, 'stem_conv')(images)
+    else:
+        images = keras.Input((image_size, image_size, 3), name='images', dtype=input_dtype)
+        x = _conv(64, 7, 2, 'stem_conv')(images)
     x = keras.layers.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
     x = keras.layers.MaxPool2D(3, strides=2, padding='same', name='stem_pool')(x)
     for stage, (blocks, filters) in enumerate(zip(stage_blocks, STAGE_WIDTHS)):

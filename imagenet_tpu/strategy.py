@@ -40,11 +40,38 @@ def mirrored_strategy(devices=None) -> tf.distribute.MirroredStrategy:
     return tf.distribute.MirroredStrategy(devices)
 
 
+_TPU_TOPOLOGY = {}
+
+
 def _tpu_strategy(tpu: str) -> tf.distribute.Strategy:
     resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
     tf.config.experimental_connect_to_cluster(resolver)
-    tf.tpu.experimental.initialize_tpu_system(resolver)
-    return tf.distribute.TPUStrategy(resolver)
+    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    strategy = tf.distribute.TPUStrategy(resolver)
+    _TPU_TOPOLOGY[id(strategy)] = topology
+    return strategy
+
+
+def replica_mesh_shape(strategy: tf.distribute.Strategy, mesh_shape=None, cores_per_chip: int = 2):
+    """(X, Y) replicas of the mesh that all_reduce_2d uses.
+
+    From ``mesh_shape`` (X, Y chips) when given: (X * cores_per_chip, Y), a row being one row of chips with each
+    chip's cores side by side. Else, on TPU, from the topology the TPU system reported (its mesh is
+    [x, y, z, cores per chip]); else the most square factorization of the replica count.
+    """
+    from imagenet_tpu import collectives
+    num_replicas = strategy.num_replicas_in_sync
+    if mesh_shape:
+        shape = (mesh_shape[0] * cores_per_chip, mesh_shape[1])
+    elif id(strategy) in _TPU_TOPOLOGY:
+        x, y, z, cores = _TPU_TOPOLOGY[id(strategy)].mesh_shape
+        shape = (x * cores, y * z)
+    else:
+        shape = collectives.default_mesh_shape(num_replicas)
+    if shape[0] * shape[1] != num_replicas:
+        raise ConfigError(f'mesh of {shape[0]}x{shape[1]} replicas does not match the {num_replicas} replicas '
+                          f'(--mesh_shape is in chips, times --cores_per_chip={cores_per_chip} along x)')
+    return shape
 
 
 def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '') -> tf.distribute.Strategy:

@@ -5,6 +5,7 @@ ending in train_and_evaluate(config), which main.py calls. Classifier wraps the 
 the training step: cross-entropy with label smoothing, averaged over the global batch, plus weight decay.
 """
 
+import contextlib
 import json
 import os
 import time
@@ -13,7 +14,8 @@ from typing import List, NamedTuple, Optional
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import batch_norm, input_pipeline, lars, regularization, resnet, rmsprop_warmup, schedules, tfrecord
+from imagenet_tpu import batch_norm, collectives, input_pipeline, lars, regularization, resnet, rmsprop_warmup
+from imagenet_tpu import schedules, tfrecord
 from imagenet_tpu import strategy as strategy_lib
 from imagenet_tpu.config import Config, ConfigError
 
@@ -24,6 +26,23 @@ def build_network(config: Config, num_replicas: int = 1) -> keras.Model:
     Per-replica batch norm with moving averages is Keras's own (fused) layer; replica groups, and the
     Akiba et al. or re-estimated inference statistics, use batch_norm.GroupBatchNormalization.
     """
+    with mixed_precision_policy(config.precision):
+        return _build_network(config, num_replicas)
+
+
+@contextlib.contextmanager
+def mixed_precision_policy(name: str):
+    """Layers built inside use the Keras policy ``name`` (variables float32; compute float32, bfloat16 or
+    float16); the previous global policy is restored after."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def _build_network(config: Config, num_replicas: int) -> keras.Model:
     if config.norm == 'none':
         norm = resnet.no_norm_factory
     else:
@@ -34,7 +53,8 @@ def build_network(config: Config, num_replicas: int = 1) -> keras.Model:
             norm = batch_norm.group_batch_norm_factory(
                 group_size, config.bn_momentum, config.bn_epsilon, config.bn_inference_statistics,
                 config.mesh_shape, config.cores_per_chip)
-    return resnet.resnet(config.depth, config.num_classes, image_size=config.image_size, norm=norm)
+    return resnet.resnet(config.depth, config.num_classes, image_size=config.image_size, norm=norm,
+                         space_to_depth=config.space_to_depth)
 
 
 def build_learning_rate(config: Config) -> keras.optimizers.schedules.LearningRateSchedule:
@@ -64,6 +84,14 @@ def build_optimizer(config: Config) -> keras.optimizers.Optimizer:
 
     LARS applies weight decay inside its update; for the others it is in the loss (see loss_weight_decay).
     """
+    optimizer = _build_optimizer(config)
+    if config.precision == 'mixed_float16':
+        # float16 gradients underflow without loss scaling (bfloat16 has float32's range and needs none).
+        optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def _build_optimizer(config: Config) -> keras.optimizers.Optimizer:
     learning_rate = build_learning_rate(config)
     if config.optimizer == 'lars':
         return lars.LARS(learning_rate, momentum=config.momentum, weight_decay=config.weight_decay,
@@ -97,9 +125,13 @@ class Classifier(keras.Model):
     """
 
     def __init__(self, network: keras.Model, *, global_batch_size: int, weight_decay: float = 0.0,
-                 label_smoothing: float = 0.0, **kwargs):
+                 label_smoothing: float = 0.0, gradient_all_reduce=None, **kwargs):
+        """gradient_all_reduce: optional callable(list of per-replica gradients) -> list of summed gradients,
+        called in replica context (e.g. collectives.all_reduce_2d); the optimizer then applies the sums
+        without aggregating again. Default: the optimizer's own all-reduce."""
         super().__init__(name=kwargs.pop('name', 'classifier'), **kwargs)
         self.network = network
+        self.gradient_all_reduce = gradient_all_reduce
         self.global_batch_size = global_batch_size
         self.weight_decay = weight_decay
         self.label_smoothing = label_smoothing
@@ -123,13 +155,22 @@ class Classifier(keras.Model):
     def train_step(self, data):
         images, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
         variables = self.network.trainable_variables
+        loss_scaling = isinstance(self.optimizer, keras.mixed_precision.LossScaleOptimizer)
         with tf.GradientTape() as tape:
             logits = self.network(images, training=True)
             per_example_loss = smoothed_cross_entropy(labels, logits, self.label_smoothing)
             loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=self.global_batch_size)
             loss += tf.nn.scale_regularization_loss(regularization.l2_penalty(variables, self.weight_decay))
+            if loss_scaling:
+                loss = self.optimizer.get_scaled_loss(loss)
         gradients = tape.gradient(loss, variables)
-        self.optimizer.apply_gradients(zip(gradients, variables))
+        if loss_scaling:
+            gradients = self.optimizer.get_unscaled_gradients(gradients)
+        if self.gradient_all_reduce is None:
+            self.optimizer.apply_gradients(zip(gradients, variables))
+        else:
+            gradients = self.gradient_all_reduce(gradients)
+            self.optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
         return self._update_metrics(labels, logits, per_example_loss)
 
     def test_step(self, data):
@@ -140,15 +181,46 @@ class Classifier(keras.Model):
         return self._update_metrics(labels, logits, per_example_loss, weights)
 
 
-def build_classifier(config: Config, num_replicas: Optional[int] = None) -> Classifier:
-    """Network and optimizer, compiled; call inside ``strategy.scope()`` (the replica count comes from it)."""
-    num_replicas = num_replicas or tf.distribute.get_strategy().num_replicas_in_sync
-    classifier = Classifier(build_network(config, num_replicas), global_batch_size=config.global_batch_size,
-                            weight_decay=loss_weight_decay(config), label_smoothing=config.label_smoothing)
-    classifier.compile(optimizer=build_optimizer(config))
+def build_gradient_all_reduce(config: Config, strategy: tf.distribute.Strategy):
+    """None for the strategy's own all-reduce, else a callable summing gradients with all_reduce_2d."""
+    if config.allreduce == 'default' or strategy.num_replicas_in_sync == 1:
+        return None
+    mesh = strategy_lib.replica_mesh_shape(strategy, config.mesh_shape, config.cores_per_chip)
+    dtype = tf.bfloat16 if config.allreduce_dtype == 'bfloat16' else None
+    bucket_bytes = int(config.allreduce_bucket_mb * 2 ** 20)
+    return lambda gradients: collectives.all_reduce_2d(gradients, mesh, bucket_bytes=bucket_bytes, dtype=dtype)
+
+
+def build_classifier(config: Config) -> Classifier:
+    """Network and optimizer, compiled; call inside ``strategy.scope()`` (replicas and mesh come from it)."""
+    strategy = tf.distribute.get_strategy()
+    classifier = Classifier(build_network(config, strategy.num_replicas_in_sync),
+                            global_batch_size=config.global_batch_size, weight_decay=loss_weight_decay(config),
+                            label_smoothing=config.label_smoothing,
+                            gradient_all_reduce=build_gradient_all_reduce(config, strategy))
+    classifier.compile(optimizer=build_optimizer(config), jit_compile=use_jit(config),
+                       steps_per_execution=steps_per_execution(config, strategy))
     # Create the optimizer's slots now, so a checkpoint restores into existing variables.
     classifier.optimizer.build(classifier.network.trainable_variables)
     return classifier
+
+
+def use_jit(config: Config) -> bool:
+    """XLA for the train step: as configured, else on where GPUs are visible (TPUs compile everything anyway;
+    on CPUs XLA's gain is small and its compile time is not)."""
+    if config.jit_compile is not None:
+        return config.jit_compile
+    return bool(tf.config.list_physical_devices('GPU'))
+
+
+def steps_per_execution(config: Config, strategy: tf.distribute.Strategy) -> int:
+    """Steps run per host call: as configured, else 100 on TPU (each call is a host round trip), capped by an
+    epoch, and 1 elsewhere."""
+    if config.steps_per_execution:
+        return config.steps_per_execution
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        return min(100, config.steps_per_epoch)
+    return 1
 
 
 def check_replicas(config: Config, num_replicas: int) -> None:
@@ -200,9 +272,10 @@ class Progress(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_index = epoch
         self._epoch_start = self._window_start = time.perf_counter()
-        self._epoch_steps = self._window_steps = 0
+        self._epoch_first_step = self._window_first_step = self._step()
 
     def _step(self) -> int:
+        # Keras calls back once per execution (steps_per_execution steps), so count steps, not calls.
         return int(self.model.optimizer.iterations.numpy())
 
     def _line(self, epoch: int, logs: dict, images_per_second: float) -> str:
@@ -213,18 +286,18 @@ class Progress(keras.callbacks.Callback):
                 f'ETA {format_duration(eta)}')
 
     def on_train_batch_end(self, batch, logs=None):
-        self._epoch_steps += 1
-        self._window_steps += 1
         self._last_step_end = now = time.perf_counter()
-        if self.every_steps and self._window_steps >= self.every_steps:
-            rate = self._window_steps * self.global_batch_size / (now - self._window_start)
+        step = self._step()
+        if self.every_steps and step - self._window_first_step >= self.every_steps:
+            rate = (step - self._window_first_step) * self.global_batch_size / (now - self._window_start)
             self.print_fn(self._line(self._epoch_index, logs or {}, rate))
-            self._window_start, self._window_steps = now, 0
+            self._window_start, self._window_first_step = now, step
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs if logs is not None else {}
         # Training time only: the epoch's validation runs after its last step.
-        rate = self._epoch_steps * self.global_batch_size / max(self._last_step_end - self._epoch_start, 1e-9)
+        steps = self._step() - self._epoch_first_step
+        rate = steps * self.global_batch_size / max(self._last_step_end - self._epoch_start, 1e-9)
         logs['images_per_second'] = rate
         logs['learning_rate'] = current_learning_rate(self.model.optimizer)
         line = self._line(epoch, logs, rate)
@@ -248,9 +321,13 @@ class Checkpoints(keras.callbacks.Callback):
         if self.manager.latest_checkpoint != f'{self.manager.directory}/ckpt-{step}':
             self.manager.save(checkpoint_number=step)
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self._step_before = self._step()
+
     def on_train_batch_end(self, batch, logs=None):
         step = self._step()
-        if step % self.every_steps == 0:
+        # Crossed a multiple of every_steps (with steps_per_execution > 1 a call runs several steps).
+        if step // self.every_steps > self._step_before // self.every_steps:
             self._save(step)
 
     def on_train_end(self, logs=None):

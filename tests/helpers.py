@@ -50,3 +50,22 @@ def write_dataset(data_dir: str, num_train: int = 48, num_validation: int = 20, 
             tfrecord.write_shard(os.path.join(data_dir, tfrecord.shard_name(split, shard, shards)), examples)
         written[split] = (images, labels)
     return written
+
+
+def equivalence_batches(steps: int = 3, batch: int = 16, size: int = 16, classes: int = 10, seed: int = 0):
+    """A fixed dataset of ``steps`` batches of random images and labels, for with/without-strategy tests."""
+    rng = np.random.default_rng(seed)
+    images = rng.normal(size=(steps * batch, size, size, 3)).astype(np.float32)
+    labels = rng.integers(0, classes, size=steps * batch).astype(np.int32)
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch)
+
+
+def train_from(config, initial_weights, strategy, dataset, steps: int = 3) -> list:
+    """Builds config's classifier under ``strategy``, sets ``initial_weights``, trains ``steps`` steps of
+    ``dataset`` with model.fit and returns the network's weights."""
+    from imagenet_tpu import train
+    with strategy.scope():
+        classifier = train.build_classifier(config)
+        classifier.network.set_weights(initial_weights)
+    classifier.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+    return classifier.network.get_weights()

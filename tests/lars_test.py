@@ -1,6 +1,7 @@
 """LARS and RMSprop warm-up against NumPy implementations of their updates, step by step."""
 
 import dataclasses
+import os
 
 from absl.testing import parameterized
 import numpy as np
@@ -79,6 +80,23 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
                           if lars.default_exclusion(v))
         self.assertEqual(excluded, ['beta', 'bias', 'bias', 'gamma'])
 
+    def test_velocities_are_created_under_the_strategy_and_checkpointed(self):
+        strategy = helpers.mirrored(2)
+        with strategy.scope():
+            kernel = tf.Variable(np.ones((2, 3), np.float32))
+            optimizer = lars.LARS(0.1, momentum=0.9, eeta=0.01)
+            optimizer.build([kernel])
+        self.assertIsInstance(optimizer.velocities[0], tf.distribute.DistributedValues)
+        strategy.run(lambda: optimizer.apply_gradients([(tf.fill([2, 3], 0.5), kernel)]))
+        path = tf.train.Checkpoint(optimizer=optimizer, kernel=kernel).save(os.path.join(self.get_temp_dir(), 'c'))
+        fresh_kernel = tf.Variable(np.zeros((2, 3), np.float32))
+        fresh = lars.LARS(0.1, momentum=0.9, eeta=0.01)
+        fresh.build([fresh_kernel])
+        tf.train.Checkpoint(optimizer=fresh, kernel=fresh_kernel).restore(path).assert_consumed()
+        self.assertAllClose(fresh.velocities[0], optimizer.velocities[0].values[0])
+        self.assertGreater(np.abs(fresh.velocities[0].numpy()).max(), 0)
+        self.assertEqual(int(fresh.iterations.numpy()), 1)
+
     def test_serialization_round_trip(self):
         optimizer = lars.LARS(schedules.WarmupCosineDecay(3.0, 5, 50), momentum=0.95, eeta=0.002,
                               trust_ratio='tfm', nesterov=True)
@@ -101,20 +119,12 @@ EQUIVALENCE = Config(depth=18, norm='none', num_classes=10, image_size=16, globa
 
 def train_both_ways(config, steps=3):
     """Trains config's network `steps` steps on 1 device and on 8 replicas from the same weights."""
-    rng = np.random.default_rng(0)
-    images = rng.normal(size=(steps * 16, 16, 16, 3)).astype(np.float32)
-    labels = rng.integers(0, 10, size=steps * 16).astype(np.int32)
-    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(16)
+    dataset = helpers.equivalence_batches(steps)
     keras.utils.set_random_seed(0)
     initial = train.build_network(config).get_weights()
-    results = []
-    for strategy in (tf.distribute.get_strategy(), helpers.mirrored(8)):
-        with strategy.scope():
-            classifier = train.build_classifier(config)
-            classifier.network.set_weights(initial)
-        classifier.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
-        results.append(classifier.network.get_weights())
-    return results[0], results[1], initial
+    single = helpers.train_from(config, initial, tf.distribute.get_strategy(), dataset, steps)
+    multi = helpers.train_from(config, initial, helpers.mirrored(8), dataset, steps)
+    return single, multi, initial
 
 
 def rmsprop_warmup_numpy(w, g, m, d, lr, alpha_sgd, eta_rms=3e-4, mu1=0.9, mu2=0.99, eps=1e-8):
