@@ -206,7 +206,7 @@ def main(argv):
         if config.seed is not None:
             keras.utils.set_random_seed(config.seed)
         train.train_and_evaluate(config, synthetic=_SYNTHETIC_DATA.value)
-    except ConfigError as error:
+    except (ConfigError, train.TrainingDiverged) as error:
         fail(str(error))
     except tf.errors.InvalidArgumentError as error:
         # Raised inside the input pipeline, e.g. by tfrecord.to_model_label for a label outside the range.

@@ -7,6 +7,7 @@ the training step: cross-entropy with label smoothing, averaged over the global 
 
 import contextlib
 import json
+import math
 import os
 import time
 from typing import List, NamedTuple, Optional
@@ -306,6 +307,22 @@ class Progress(keras.callbacks.Callback):
         self.print_fn(line)
 
 
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite; main.py reports it as a one-line error."""
+
+
+class StopOnNonFiniteLoss(keras.callbacks.Callback):
+    """Stops training with TrainingDiverged, naming the step, as soon as the loss is not finite. It runs before
+    Checkpoints, so the step that diverged is never saved (and the last checkpoint stays the last good one)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get('loss')
+        if loss is not None and not math.isfinite(float(loss)):
+            step = int(self.model.optimizer.iterations.numpy())
+            raise TrainingDiverged(f'training loss is {float(loss)} at step {step}; stopped without saving it '
+                                   '(lower the learning rate, or check the input for bad values)')
+
+
 class Checkpoints(keras.callbacks.Callback):
     """Saves network and optimizer (slots and step) as ckpt-STEP at every multiple of ``every_steps`` steps
     and at the end of training."""
@@ -432,7 +449,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
 
     progress = Progress(config.train_steps, config.steps_per_epoch, config.global_batch_size,
                         config.log_every_steps, print_fn)
-    callbacks = [progress]
+    callbacks = [progress, StopOnNonFiniteLoss()]
     if config.norm != 'none' and config.bn_inference_statistics == 'reestimate':
         callbacks.append(ReestimateBatchNorm(classifier.network, train_data, config.bn_reestimate_batches,
                                              strategy))

@@ -95,31 +95,25 @@ class GroupBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(np.concatenate(dx[group]), edx, atol=0.05, rtol=0.05)
             self.assertAllClose(moving_mean[group[0]], (1 - MOMENTUM) * mean, atol=1e-5, rtol=1e-5)
 
-    def test_group_of_one_equals_keras_batch_norm_on_each_replica(self):
+    def compare_with_keras(self, group_size, **keras_arguments):
         strategy = helpers.mirrored(REPLICAS)
-        ours = run_layer(self.make_layer(strategy, group_size=1), self.x, self.upstream, strategy)
+        ours = run_layer(self.make_layer(strategy, group_size=group_size), self.x, self.upstream, strategy)
         with strategy.scope():
-            # fused=False: Keras's fused kernel updates the moving variance with the unbiased (n / (n - 1))
-            # batch variance, its unfused and synchronized paths (and ours, and MLPerf's) with the biased one.
-            keras_layer = keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON, fused=False)
+            keras_layer = keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON, **keras_arguments)
             keras_layer.build((None, 3, 3, CHANNELS))
             keras_layer.gamma.assign(self.gamma)
             keras_layer.beta.assign(self.beta)
         theirs = run_layer(keras_layer, self.x, self.upstream, strategy)
-        for a, b in zip(ours, theirs):
+        for a, b in zip(ours, theirs):   # outputs, input gradients, moving mean, moving variance
             self.assertAllClose(a, b, atol=1e-4, rtol=1e-4)
 
+    def test_group_of_one_equals_keras_batch_norm_on_each_replica(self):
+        # fused=False: Keras's fused kernel updates the moving variance with the unbiased (n / (n - 1)) batch
+        # variance, its unfused and synchronized paths (and ours, and MLPerf's) with the biased one.
+        self.compare_with_keras(1, fused=False)
+
     def test_group_of_all_equals_keras_synchronized_batch_norm(self):
-        strategy = helpers.mirrored(REPLICAS)
-        ours = run_layer(self.make_layer(strategy, group_size=REPLICAS), self.x, self.upstream, strategy)
-        with strategy.scope():
-            keras_layer = keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON, synchronized=True)
-            keras_layer.build((None, 3, 3, CHANNELS))
-            keras_layer.gamma.assign(self.gamma)
-            keras_layer.beta.assign(self.beta)
-        theirs = run_layer(keras_layer, self.x, self.upstream, strategy)
-        for a, b in zip(ours, theirs):
-            self.assertAllClose(a, b, atol=1e-4, rtol=1e-4)
+        self.compare_with_keras(REPLICAS, synchronized=True)
 
     def test_last_batch_statistics_are_those_of_the_global_batch(self):
         strategy = helpers.mirrored(REPLICAS)

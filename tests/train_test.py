@@ -183,6 +183,17 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         self.assertEqual(second['eval_images'], 20)  # every held-out image, the last batch partial
         self.assertTrue(os.path.exists(os.path.join(self.config.model_dir, 'results.json')))
 
+    def test_non_finite_loss_stops_without_saving_that_step(self):
+        config = dataclasses.replace(self.config, base_learning_rate=1e30, norm='none', checkpoint_every_steps=1,
+                                     train_epochs=2)
+        with self.assertRaisesRegex(train.TrainingDiverged, r'training loss is (nan|inf) at step (\d+)') as caught:
+            train.train_and_evaluate(config, helpers.mirrored(2), print_fn=lambda line: None)
+        step = int(caught.exception.args[0].split('at step ')[1].split(';')[0])
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(), os.path.join(config.model_dir, 'checkpoints'), 3)
+        saved = [int(path.rsplit('-', 1)[1]) for path in manager.checkpoints]
+        self.assertNotIn(step, saved)
+        self.assertTrue(all(s < step for s in saved))
+
     def test_global_batch_not_divisible_by_replicas(self):
         config = dataclasses.replace(self.config, global_batch_size=12)
         with self.assertRaisesRegex(ConfigError, 'global_batch_size=12 is not divisible by the 8 replicas'):
