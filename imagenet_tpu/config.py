@@ -141,8 +141,15 @@ class Config:
 
     @property
     def eval_steps(self) -> int:
-        """Evaluation steps that cover every validation image once (the last batch is partial)."""
-        return -(-self.num_eval_images // self.eval_batch_size)
+        """Evaluation steps that cover every validation image once with one input pipeline."""
+        return self.eval_steps_for(1)
+
+    def eval_steps_for(self, num_input_pipelines: int) -> int:
+        """Evaluation steps that cover every validation image once when ``num_input_pipelines`` hosts each read
+        every num_input_pipelines-th image (input_pipeline.eval_dataset): enough for the largest share."""
+        largest_share = -(-self.num_eval_images // num_input_pipelines)
+        per_pipeline_step = self.eval_batch_size // num_input_pipelines
+        return -(-largest_share // max(1, per_pipeline_step))
 
     def bn_group_size_for(self, num_replicas: int) -> int:
         """Replicas per batch-norm group, from bn_span (images per batch norm) when set, else bn_group_size."""

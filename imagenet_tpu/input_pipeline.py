@@ -105,12 +105,18 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     Every validation image appears once with weight 1; the batches are then filled with zero images of
     weight 0, so every replica gets a full batch at every step (TPUs need static shapes, and no replica
     waits on an empty one) and top-1 = sum(weight * correct) / sum(weight) is over the real images only.
-    Assumes one input pipeline, or pipelines with equal shares of the images.
+    With several input pipelines (hosts), pipeline p takes records p, p + P, ... of all files in order, so the
+    shares differ by at most one image and config.eval_steps_for(P) steps cover the largest: files are read
+    by every host, but only its own records are decoded. (Sharding by file would give hosts unequal shares
+    whose sizes are unknown without reading them.)
     """
     dtype = dtype or image_dtype(config)
     paths = list_shards(config.data_dir, tfrecord.VALIDATION)
-    records = _shard_files(paths, context).interleave(
+    records = tf.data.Dataset.from_tensor_slices(paths).interleave(
         tf.data.TFRecordDataset, cycle_length=1, num_parallel_calls=AUTOTUNE, deterministic=True)
+    num_pipelines = context.num_input_pipelines if context else 1
+    if num_pipelines > 1:
+        records = records.shard(num_pipelines, context.input_pipeline_id)
 
     def parse(serialized):
         example = tfrecord.parse_example(serialized)
@@ -123,7 +129,7 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     replicas_per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines if context else 1
     batches = records.map(parse, num_parallel_calls=AUTOTUNE).concatenate(padding)
     batches = batches.batch(_per_replica_batch(config.eval_batch_size, context), drop_remainder=True)
-    batches = batches.take(config.eval_steps * replicas_per_pipeline)
+    batches = batches.take(config.eval_steps_for(num_pipelines) * replicas_per_pipeline)
     return _finish(batches, config).with_options(dataset_options(deterministic=True))
 
 

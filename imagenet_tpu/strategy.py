@@ -98,3 +98,13 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '') -> tf.d
     if kind == 'default':
         return tf.distribute.get_strategy()
     raise ConfigError(f'unknown strategy {kind!r}')
+
+
+def num_input_pipelines(strategy: tf.distribute.Strategy) -> int:
+    """Input pipelines distribute_datasets_from_function makes: one per host (TPU) or worker (multi-worker)."""
+    extended = strategy.extended
+    if isinstance(strategy, tf.distribute.TPUStrategy):
+        return extended.num_hosts
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return extended._num_workers  # pylint: disable=protected-access  (no public count in TF 2.20)
+    return 1

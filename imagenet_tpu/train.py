@@ -372,11 +372,39 @@ def checkpoint_manager(classifier: Classifier, model_dir: str) -> tf.train.Check
                                       checkpoint_name='ckpt')
 
 
+# The settings that define the network's variables: a checkpoint only fits a network built with the same ones.
+MODEL_SETTINGS = ('depth', 'num_classes', 'image_size', 'norm', 'space_to_depth')
+
+
+def check_model_settings(config: Config, model_dir: str) -> None:
+    """Records the model-defining settings in model_dir/model.json on the first run; on a later run refuses to
+    resume from a checkpoint of a different model, naming each setting that differs."""
+    path = os.path.join(model_dir, 'model.json')
+    current = {name: getattr(config, name) for name in MODEL_SETTINGS}
+    if tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
+            saved = json.load(f)
+        differences = [f'{name}={saved.get(name)!r} there, {value!r} now' for name, value in current.items()
+                       if saved.get(name) != value]
+        if differences:
+            raise ConfigError(f'--model_dir {model_dir} holds checkpoints of a different model ('
+                              + '; '.join(differences) + '): use another --model_dir or the same settings')
+    else:
+        tf.io.gfile.makedirs(model_dir)
+        with tf.io.gfile.GFile(path, 'w') as f:
+            json.dump(current, f, indent=2)
+
+
 def restore_latest(manager: tf.train.CheckpointManager) -> Optional[str]:
-    """Restores the newest checkpoint, if any; returns its path."""
+    """Restores the newest checkpoint, if any; returns its path. A checkpoint whose variables do not fit the
+    model is a ConfigError naming the first mismatch, not a fresh start."""
     path = manager.latest_checkpoint
     if path:
-        manager.checkpoint.restore(path).assert_existing_objects_matched()
+        try:
+            manager.checkpoint.restore(path).assert_existing_objects_matched()
+        except (AssertionError, ValueError) as error:
+            first_line = str(error).strip().splitlines()[0]
+            raise ConfigError(f'{path} does not fit this model: {first_line}') from None
     return path
 
 
@@ -440,10 +468,12 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     started = time.perf_counter()
     if config.model_dir:
         ensure_writable(config.model_dir)
+        check_model_settings(config, config.model_dir)
     strategy = strategy or strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices,
                                                       tpu=config.tpu)
     check_replicas(config, strategy.num_replicas_in_sync)
     train_data, eval_data = build_datasets(config, strategy, synthetic=synthetic)
+    eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     with strategy.scope():
         classifier = build_classifier(config)
 
@@ -472,7 +502,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
         history = classifier.fit(
             train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
             steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
-            validation_data=eval_data if validate else None, validation_steps=config.eval_steps,
+            validation_data=eval_data if validate else None, validation_steps=eval_steps,
             validation_freq=config.eval_every_epochs if validate else 1)
         train_loss = history.history['loss'][-1]
         images_per_second = history.history['images_per_second'][-1]
@@ -480,7 +510,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     results = {'steps': int(classifier.optimizer.iterations.numpy()), 'train_loss': float(train_loss),
                'images_per_second': float(images_per_second)}
     if eval_data is not None:
-        evaluated = classifier.evaluate(eval_data, steps=config.eval_steps, verbose=0, return_dict=True,
+        evaluated = classifier.evaluate(eval_data, steps=eval_steps, verbose=0, return_dict=True,
                                         callbacks=[c for c in callbacks if isinstance(c, ReestimateBatchNorm)])
         results.update({name: float(value) for name, value in evaluated.items()})
         results['eval_images'] = int(classifier.top_1.count.numpy())

@@ -50,6 +50,34 @@ class InputPipelineTest(tf.test.TestCase):
         expected = (tf.image.resize(crop, [16, 16]) - preprocessing.MEAN_RGB) / preprocessing.STDDEV_RGB
         self.assertAllClose(images[0], expected, atol=0.05)
 
+    def test_eval_with_two_input_pipelines_sees_each_image_exactly_once(self):
+        # 20 images, eval batch 8 over 4 replicas on 2 hosts: each host runs 3 steps of 2 x 2 images.
+        config = _config(self.data_dir)
+        self.assertEqual(config.eval_steps_for(2), 3)
+        seen = []
+        for host in range(2):
+            context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=host,
+                                                 num_replicas_in_sync=4)
+            batches = list(input_pipeline.eval_dataset(config, context))
+            self.assertLen(batches, 3 * 2)   # steps x replicas per host, all full
+            for images, _, weights in batches:
+                self.assertEqual(len(weights), 2)
+                seen += [image for image, weight in zip(images.numpy(), weights.numpy()) if weight == 1]
+        self.assertLen(seen, 20)
+        # Identify each image by its pixels: every validation image once, none twice.
+        fingerprints = sorted(round(float(np.sum(image)), 2) for image in seen)
+        expected = sorted(round(float(np.sum(preprocessing.preprocess_for_eval(
+            tf.io.encode_jpeg(image, quality=95), 16))), 2) for image in self.written['validation'][0])
+        self.assertAllClose(fingerprints, expected, atol=0.05)
+        self.assertLen(set(fingerprints), 20)
+
+    def test_training_files_are_split_between_hosts(self):
+        paths = input_pipeline.list_shards(self.data_dir, 'train')
+        shares = [list(input_pipeline._shard_files(paths, tf.distribute.InputContext(2, host, 4)).as_numpy_iterator())
+                  for host in range(2)]
+        self.assertEqual(set(shares[0]) & set(shares[1]), set())
+        self.assertEqual(sorted(shares[0] + shares[1]), sorted(p.encode() for p in paths))
+
     def test_train_batches_are_normalized_and_labels_shifted(self):
         config = _config(self.data_dir)
         images, labels = next(iter(input_pipeline.train_dataset(config)))

@@ -194,6 +194,23 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         self.assertNotIn(step, saved)
         self.assertTrue(all(s < step for s in saved))
 
+    def test_resuming_a_different_model_is_refused_by_name(self):
+        train.check_model_settings(self.config, self.config.model_dir)
+        other = dataclasses.replace(self.config, depth=34, num_classes=5)
+        with self.assertRaisesRegex(ConfigError, r"different model \(depth=18 there, 34 now; "
+                                                 r"num_classes=10 there, 5 now\)"):
+            train.check_model_settings(other, self.config.model_dir)
+        train.check_model_settings(self.config, self.config.model_dir)   # the same model passes
+
+    def test_checkpoint_that_does_not_fit_is_a_clear_error(self):
+        small = dataclasses.replace(self.config, num_classes=10)
+        classifier = train.build_classifier(small)
+        manager = train.checkpoint_manager(classifier, self.config.model_dir)
+        manager.save(checkpoint_number=1)
+        other = train.build_classifier(dataclasses.replace(small, num_classes=7))
+        with self.assertRaisesRegex(ConfigError, 'ckpt-1 does not fit this model'):
+            train.restore_latest(train.checkpoint_manager(other, self.config.model_dir))
+
     def test_global_batch_not_divisible_by_replicas(self):
         config = dataclasses.replace(self.config, global_batch_size=12)
         with self.assertRaisesRegex(ConfigError, 'global_batch_size=12 is not divisible by the 8 replicas'):
