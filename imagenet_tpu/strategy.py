@@ -6,6 +6,7 @@ initializes its devices, so ``use_logical_cpus`` is called first thing in a proc
 
 import tensorflow as tf
 
+from imagenet_tpu import collectives
 from imagenet_tpu.config import ConfigError
 
 
@@ -59,7 +60,6 @@ def replica_mesh_shape(strategy: tf.distribute.Strategy, mesh_shape=None, cores_
     chip's cores side by side. Else, on TPU, from the topology the TPU system reported (its mesh is
     [x, y, z, cores per chip]); else the most square factorization of the replica count.
     """
-    from imagenet_tpu import collectives
     num_replicas = strategy.num_replicas_in_sync
     if mesh_shape:
         shape = (mesh_shape[0] * cores_per_chip, mesh_shape[1])

@@ -264,10 +264,9 @@ class Progress(keras.callbacks.Callback):
     """Prints epoch, step, loss, top-1, images/s and ETA, and adds learning_rate and images_per_second to the
     epoch logs (so the TensorBoard callback after it records them)."""
 
-    def __init__(self, total_steps: int, steps_per_epoch: int, global_batch_size: int, every_steps: int,
-                 print_fn=print):
+    def __init__(self, total_steps: int, global_batch_size: int, every_steps: int, print_fn=print):
         super().__init__()
-        self.total_steps, self.steps_per_epoch = total_steps, steps_per_epoch
+        self.total_steps = total_steps
         self.global_batch_size, self.every_steps, self.print_fn = global_batch_size, every_steps, print_fn
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -477,8 +476,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     with strategy.scope():
         classifier = build_classifier(config)
 
-    progress = Progress(config.train_steps, config.steps_per_epoch, config.global_batch_size,
-                        config.log_every_steps, print_fn)
+    progress = Progress(config.train_steps, config.global_batch_size, config.log_every_steps, print_fn)
     callbacks = [progress, StopOnNonFiniteLoss()]
     if config.norm != 'none' and config.bn_inference_statistics == 'reestimate':
         callbacks.append(ReestimateBatchNorm(classifier.network, train_data, config.bn_reestimate_batches,

@@ -21,16 +21,11 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from imagenet_tpu import collectives  # pylint: disable=wrong-import-position
 
 RESNET50_PARAMETERS = 25_557_032
 TPU_V3_BANDWIDTH = 340e12 / 1024          # bytes/s of all-reduce bandwidth per chip
 CHIP_COUNTS = tuple(2 ** p for p in range(3, 13))   # 8 ... 4096
-
-
-def square_mesh(chips: int):
-    """(X, Y) with X * Y = chips, as square as possible, X >= Y."""
-    y = max(d for d in range(1, math.isqrt(chips) + 1) if chips % d == 0)
-    return chips // y, y
 
 
 def ring_seconds(chips, message_bytes, buckets, hop_latency, bandwidth):
@@ -51,7 +46,7 @@ def table(parameters=RESNET50_PARAMETERS, hop_latency=1e-6, bandwidth=TPU_V3_BAN
         message = parameters * size
         buckets = math.ceil(message / bucket_bytes)
         for chips in chip_counts:
-            mesh = square_mesh(chips)
+            mesh = collectives.default_mesh_shape(chips)  # the mesh all_reduce_2d uses by default
             ring = ring_seconds(chips, message, buckets, hop_latency, bandwidth)
             torus = torus_seconds(mesh, message, buckets, hop_latency, bandwidth)
             rows.append(dict(chips=chips, mesh=f'{mesh[0]}x{mesh[1]}', dtype=dtype, buckets=buckets,
