@@ -30,6 +30,14 @@ class Config:
     random_crop_min_area: float = 0.08      # smallest crop, as a fraction of the image area
     random_flip: bool = True
     shuffle_buffer: int = 10000             # in records, per input pipeline
+    interleave_cycle_length: int = 16       # training files read at once per input pipeline
+    interleave_block_length: int = 1        # consecutive records taken from one file before moving on
+    read_buffer_mb: float = 8.0             # read buffer of each open TFRecord file
+    input_threads: int = 0                  # private tf.data thread pool size per pipeline; 0 = TensorFlow's pool
+    deterministic_input: bool = False       # reproducible record order (exact resume); False lets tf.data reorder
+    input_cache: str = 'none'               # 'none', 'records' (encoded, in memory) or 'images' (decoded; small sets)
+    bad_records: str = 'skip'               # 'skip': skip and count undecodable records; 'fatal': stop the run
+    prefetch_to_device: int = 2             # batches buffered on each replica's device
 
     # Model.
     depth: int = 50                         # ResNet depth: 18, 34, 50, 101, 152 or 200
@@ -111,6 +119,13 @@ class Config:
                               f'got {self.precision!r}')
         if self.steps_per_execution is not None and self.steps_per_execution < 1:
             raise ConfigError(f'steps_per_execution must be positive, got {self.steps_per_execution}')
+        if self.bad_records not in ('skip', 'fatal'):
+            raise ConfigError(f"bad_records must be 'skip' or 'fatal', got {self.bad_records!r}")
+        if self.input_cache not in ('none', 'records', 'images'):
+            raise ConfigError(f"input_cache must be 'none', 'records' or 'images', got {self.input_cache!r}")
+        if self.interleave_cycle_length < 1 or self.interleave_block_length < 1 or self.input_threads < 0:
+            raise ConfigError('interleave_cycle_length and interleave_block_length must be positive and '
+                              'input_threads non-negative')
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f'unknown optimizer {self.optimizer!r}; choose one of {", ".join(OPTIMIZERS)}')
         if self.lars_trust_ratio not in ('mlperf', 'tfm'):

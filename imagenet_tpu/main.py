@@ -3,7 +3,8 @@
     imagenet-tpu-train --flagfile=flags/demo.cfg
     imagenet-tpu-train --flagfile=flags/tpu_v3_8.cfg --data_dir=gs://... --model_dir=gs://...
 
-Bad input (missing data, settings that cannot work) ends with one line `error: ...` on stderr and exit status 2.
+Bad input (missing data, settings that cannot work) ends with one line `error: ...` on stderr and exit status 2;
+SIGTERM during training saves a checkpoint and exits with status 143 (run the same command to continue).
 """
 
 import os
@@ -40,6 +41,26 @@ _RANDOM_CROP_MIN_AREA = flags.DEFINE_float('random_crop_min_area', _DEFAULTS.ran
 _RANDOM_FLIP = flags.DEFINE_bool('random_flip', _DEFAULTS.random_flip, 'Random left-right flips in training.')
 _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', _DEFAULTS.shuffle_buffer,
                                        'Records in the shuffle buffer of each input pipeline.')
+_INTERLEAVE_CYCLE_LENGTH = flags.DEFINE_integer('interleave_cycle_length', _DEFAULTS.interleave_cycle_length,
+                                               'Training files read at once by each input pipeline.')
+_INTERLEAVE_BLOCK_LENGTH = flags.DEFINE_integer('interleave_block_length', _DEFAULTS.interleave_block_length,
+                                               'Consecutive records taken from one file before the next.')
+_READ_BUFFER_MB = flags.DEFINE_float('read_buffer_mb', _DEFAULTS.read_buffer_mb,
+                                     'Read buffer of each open TFRecord file, in MiB.')
+_INPUT_THREADS = flags.DEFINE_integer('input_threads', _DEFAULTS.input_threads,
+                                      "Threads of each input pipeline's private pool (0: TensorFlow's shared pool).")
+_INPUT_CACHE = flags.DEFINE_enum('input_cache', _DEFAULTS.input_cache, ['none', 'records', 'images'],
+                                 'Keep the training set in memory: encoded records, or decoded images (small '
+                                 'sets only: about 500 KB per ImageNet image).')
+_BAD_RECORDS = flags.DEFINE_enum('bad_records', _DEFAULTS.bad_records, ['skip', 'fatal'],
+                                 'A record whose JPEG does not decode, that lacks a feature or has a label out '
+                                 'of range, or a TFRecord file cut mid-record: skip and count it, or stop.')
+_PREFETCH_TO_DEVICE = flags.DEFINE_integer('prefetch_to_device', _DEFAULTS.prefetch_to_device,
+                                           "Batches buffered on each replica's device.")
+_DETERMINISTIC = flags.DEFINE_bool('deterministic', False,
+                                   'Reproducible runs: deterministic TensorFlow ops and record order, so a run '
+                                   'resumed after a crash ends with the same weights as an uninterrupted one '
+                                   '(slower input on slow file systems).')
 
 # Model.
 _DEPTH = flags.DEFINE_enum('depth', str(_DEFAULTS.depth), ['18', '34', '50', '101', '152', '200'], 'ResNet depth.')
@@ -144,7 +165,8 @@ _EVAL_EVERY_EPOCHS = flags.DEFINE_integer('eval_every_epochs', _DEFAULTS.eval_ev
                                           'Epochs between evaluations on the validation set.')
 _LOG_EVERY_STEPS = flags.DEFINE_integer('log_every_steps', _DEFAULTS.log_every_steps,
                                         'Steps between progress lines inside an epoch (0: once per epoch).')
-_SEED = flags.DEFINE_integer('seed', None, 'Seed of shuffles and initialization (None: random).')
+_SEED = flags.DEFINE_integer('seed', None, 'Seed of initialization and of the data order (None: random '
+                             'initialization; the data order then uses seed 0, so a resumed run continues it).')
 
 
 def parse_mesh_shape(text):
@@ -164,6 +186,10 @@ def config_from_flags() -> Config:
         num_train_images=_NUM_TRAIN_IMAGES.value, num_eval_images=_NUM_EVAL_IMAGES.value,
         image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value,
         random_flip=_RANDOM_FLIP.value, shuffle_buffer=_SHUFFLE_BUFFER.value,
+        interleave_cycle_length=_INTERLEAVE_CYCLE_LENGTH.value, interleave_block_length=_INTERLEAVE_BLOCK_LENGTH.value,
+        read_buffer_mb=_READ_BUFFER_MB.value, input_threads=_INPUT_THREADS.value, input_cache=_INPUT_CACHE.value,
+        bad_records=_BAD_RECORDS.value, prefetch_to_device=_PREFETCH_TO_DEVICE.value,
+        deterministic_input=_DETERMINISTIC.value,
         space_to_depth=_SPACE_TO_DEPTH.value, precision=_PRECISION.value, jit_compile=_JIT_COMPILE.value,
         steps_per_execution=_STEPS_PER_EXECUTION.value,
         depth=int(_DEPTH.value), norm=_NORM.value, bn_momentum=_BN_MOMENTUM.value, bn_epsilon=_BN_EPSILON.value,
@@ -188,6 +214,10 @@ def config_from_flags() -> Config:
         eval_every_epochs=_EVAL_EVERY_EPOCHS.value, log_every_steps=_LOG_EVERY_STEPS.value, seed=_SEED.value)
 
 
+# Exit status after SIGTERM (128 + 15, as if the signal had ended the process): not done, run again to continue.
+PREEMPTED_EXIT_STATUS = 143
+
+
 def fail(message: str) -> None:
     print(f'error: {message}', file=sys.stderr)
     sys.exit(2)
@@ -205,22 +235,38 @@ def main(argv):
             strategy.use_logical_cpus(config.num_cpu_devices)
         if config.seed is not None:
             keras.utils.set_random_seed(config.seed)
+        if _DETERMINISTIC.value:
+            tf.config.experimental.enable_op_determinism()
         train.train_and_evaluate(config, synthetic=_SYNTHETIC_DATA.value)
     except (ConfigError, train.TrainingDiverged) as error:
         fail(str(error))
-    except tf.errors.InvalidArgumentError as error:
-        # Raised inside the input pipeline, e.g. by tfrecord.to_model_label for a label outside the range.
-        fail(summarize_graph_error(error.message))
+    except train.Preempted as error:
+        print(str(error), file=sys.stderr)
+        sys.exit(PREEMPTED_EXIT_STATUS)
+    except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
+        # Raised inside the input pipeline with --bad_records=fatal: a corrupt JPEG, a label outside the
+        # range (tfrecord.to_model_label), a missing feature, a TFRecord file cut mid-record.
+        fail(f'bad input record: {summarize_graph_error(error.message)}')
+
+
+# What a runtime error from the input says, in the words of TensorFlow's kernels (first match wins).
+_ERROR_PATTERNS = (
+    r'assertion failed: \[([^\]]*)\]',                  # tfrecord.to_model_label: label out of range
+    r'((?:truncated|corrupted) record at \d+)',         # a TFRecord file cut or damaged
+    r'(Feature: \S+ \(data type: \w+\) is required but could not be found)',   # missing feature
+    r'((?:Invalid JPEG data|Unknown image file format|jpeg)[^\n\[]*)',           # a JPEG that does not decode
+)
 
 
 def summarize_graph_error(message: str) -> str:
     """The line of a TensorFlow runtime error that says what went wrong (not the stack of graph nodes)."""
-    assertion = re.search(r'assertion failed: \[([^\]]*)\]', message)
-    if assertion:
-        return assertion.group(1)
+    for pattern in _ERROR_PATTERNS:
+        found = re.search(pattern, message)
+        if found:
+            return found.group(1).strip()
     lines = [line.strip() for line in message.splitlines()
              if line.strip() and not line.startswith((' ', '\t')) and 'Graph execution error' not in line
-             and not line.startswith('Detected at node')]
+             and 'derived errors ignored' not in line and not line.startswith('Detected at node')]
     return lines[-1] if lines else message.strip()
 
 

@@ -25,30 +25,62 @@ def _resize(image: tf.Tensor, image_size: int) -> tf.Tensor:
     return tf.image.resize(image, [image_size, image_size], method=tf.image.ResizeMethod.BILINEAR)
 
 
+def random_seed() -> tf.Tensor:
+    """A fresh seed for the stateless random ops below (when the caller does not need reproducibility)."""
+    return tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32)
+
+
 def random_crop_window(encoded: tf.Tensor, boxes: tf.Tensor, min_area: float = 0.08,
-                       aspect_ratio_range=(3 / 4, 4 / 3), max_attempts: int = 10) -> tf.Tensor:
+                       aspect_ratio_range=(3 / 4, 4 / 3), max_attempts: int = 10,
+                       seed: tf.Tensor = None) -> tf.Tensor:
     """Inception-style random crop window [y, x, height, width] (int32) sampled around ``boxes``.
 
     ``boxes``: float32 [num_boxes, 4] as (ymin, xmin, ymax, xmax) in [0, 1]; empty means the whole image.
     The window covers ``min_area``..1 of the image and at least 10% of some box; after ``max_attempts``
-    failures it is the whole image.
+    failures it is the whole image. ``seed`` ([2] integers) makes the window a function of the seed.
     """
-    shape = tf.image.extract_jpeg_shape(encoded)
+    return sample_crop_window(tf.image.extract_jpeg_shape(encoded), boxes, min_area, aspect_ratio_range,
+                              max_attempts, seed)
+
+
+def sample_crop_window(shape: tf.Tensor, boxes: tf.Tensor, min_area: float = 0.08,
+                       aspect_ratio_range=(3 / 4, 4 / 3), max_attempts: int = 10,
+                       seed: tf.Tensor = None) -> tf.Tensor:
+    """random_crop_window for an image of ``shape`` [height, width, channels]."""
     boxes = tf.cond(tf.shape(boxes)[0] > 0, lambda: boxes, lambda: tf.constant([[0.0, 0.0, 1.0, 1.0]]))
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-        shape, bounding_boxes=boxes[tf.newaxis], seed=tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32),
+        shape, bounding_boxes=boxes[tf.newaxis], seed=random_seed() if seed is None else seed,
         min_object_covered=0.1, aspect_ratio_range=aspect_ratio_range, area_range=(min_area, 1.0),
         max_attempts=max_attempts, use_image_if_no_bounding_boxes=True)
     return tf.stack([begin[0], begin[1], size[0], size[1]])
 
 
 def preprocess_for_train(encoded: tf.Tensor, boxes: tf.Tensor, image_size: int, *, min_area: float = 0.08,
-                         flip: bool = True, dtype: tf.DType = tf.float32) -> tf.Tensor:
-    """Random-resized crop (decoded fused with the crop), random left-right flip, resize, normalize."""
-    window = random_crop_window(encoded, boxes, min_area=min_area)
+                         flip: bool = True, dtype: tf.DType = tf.float32, seed: tf.Tensor = None) -> tf.Tensor:
+    """Random-resized crop (decoded fused with the crop), random left-right flip, resize, normalize.
+
+    ``seed`` ([2] integers; default: fresh): the same seed gives the same crop and flip, which is what makes a
+    resumed run see exactly the images an uninterrupted one would.
+    """
+    seed = random_seed() if seed is None else seed
+    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    window = random_crop_window(encoded, boxes, min_area=min_area, seed=crop_seed)
     image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3)
     if flip:
-        image = tf.image.random_flip_left_right(image)
+        image = tf.image.stateless_random_flip_left_right(image, flip_seed)
+    return normalize(_resize(image, image_size), dtype)
+
+
+def preprocess_decoded_for_train(image: tf.Tensor, image_size: int, *, min_area: float = 0.08,
+                                 flip: bool = True, dtype: tf.DType = tf.float32,
+                                 seed: tf.Tensor = None) -> tf.Tensor:
+    """preprocess_for_train for an already decoded uint8 image (the decoded-image cache), whole image as box."""
+    seed = random_seed() if seed is None else seed
+    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    window = sample_crop_window(tf.shape(image), tf.zeros([0, 4]), min_area=min_area, seed=crop_seed)
+    image = image[window[0]:window[0] + window[2], window[1]:window[1] + window[3]]
+    if flip:
+        image = tf.image.stateless_random_flip_left_right(image, flip_seed)
     return normalize(_resize(image, image_size), dtype)
 
 

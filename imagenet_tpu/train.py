@@ -9,6 +9,8 @@ import contextlib
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import List, NamedTuple, Optional
 
@@ -233,17 +235,24 @@ def check_replicas(config: Config, num_replicas: int) -> None:
         config.bn_group_size_for(num_replicas)
 
 
-def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False):
-    """(train, eval) distributed datasets; eval is None for synthetic data."""
+def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False,
+                   start_step: int = 0, skip_counts: Optional[input_pipeline.SkipCounts] = None):
+    """(train, eval) distributed datasets; eval is None for synthetic data. The training stream resumes after
+    ``start_step`` steps (input_pipeline.train_dataset); bad records are counted into ``skip_counts``.
+    Batches are prefetched onto each replica's device (config.prefetch_to_device batches)."""
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
+                                         experimental_per_replica_buffer_size=config.prefetch_to_device)
     if synthetic:
         train = strategy.distribute_datasets_from_function(
-            lambda context: input_pipeline.synthetic_dataset(config, context))
+            lambda context: input_pipeline.synthetic_dataset(config, context), options)
         return train, None
     for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
         input_pipeline.check_labels(input_pipeline.list_shards(config.data_dir, split)[0], config)
-    train = strategy.distribute_datasets_from_function(lambda context: input_pipeline.train_dataset(config, context))
+    train = strategy.distribute_datasets_from_function(
+        lambda context: input_pipeline.train_dataset(config, context, start_step=start_step,
+                                                     skip_counts=skip_counts), options)
     evaluation = strategy.distribute_datasets_from_function(
-        lambda context: input_pipeline.eval_dataset(config, context))
+        lambda context: input_pipeline.eval_dataset(config, context, skip_counts=skip_counts), options)
     return train, evaluation
 
 
@@ -260,9 +269,19 @@ def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
     return float(keras.backend.get_value(rate))
 
 
+def resident_memory_mb() -> float:
+    """This process's resident memory now, in MiB (Linux /proc; NaN elsewhere)."""
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        return float('nan')
+
+
 class Progress(keras.callbacks.Callback):
-    """Prints epoch, step, loss, top-1, images/s and ETA, and adds learning_rate and images_per_second to the
-    epoch logs (so the TensorBoard callback after it records them)."""
+    """Prints epoch, step, loss, top-1, images/s and ETA (and at epoch ends the resident memory), and adds
+    learning_rate, images_per_second and memory_mb to the epoch logs (the TensorBoard callback after it
+    records them)."""
 
     def __init__(self, total_steps: int, global_batch_size: int, every_steps: int, print_fn=print):
         super().__init__()
@@ -300,7 +319,8 @@ class Progress(keras.callbacks.Callback):
         rate = steps * self.global_batch_size / max(self._last_step_end - self._epoch_start, 1e-9)
         logs['images_per_second'] = rate
         logs['learning_rate'] = current_learning_rate(self.model.optimizer)
-        line = self._line(epoch, logs, rate)
+        logs['memory_mb'] = resident_memory_mb()
+        line = self._line(epoch, logs, rate) + f' memory {logs["memory_mb"]:,.0f} MiB'
         if 'val_top_1' in logs:
             line += f' | held-out top-1 {100 * logs["val_top_1"]:.2f}% top-5 {100 * logs["val_top_5"]:.2f}%'
         self.print_fn(line)
@@ -322,6 +342,71 @@ class StopOnNonFiniteLoss(keras.callbacks.Callback):
                                    '(lower the learning rate, or check the input for bad values)')
 
 
+class ReportSkips(keras.callbacks.Callback):
+    """At each epoch end, adds the input pipelines' skip counts to the logs (TensorBoard records them) and
+    prints a line when any record was skipped."""
+
+    def __init__(self, skip_counts: input_pipeline.SkipCounts, print_fn=print):
+        super().__init__()
+        self.skip_counts, self.print_fn = skip_counts, print_fn
+        self._reported = {'bad_records': 0, 'truncated_files': 0}
+
+    def on_epoch_end(self, epoch, logs=None):
+        totals = self.skip_counts.totals()
+        if logs is not None:
+            logs.update({name: float(value) for name, value in totals.items()})
+        if totals != self._reported:
+            new = totals['bad_records'] - self._reported['bad_records']
+            self.print_fn(f'input: skipped {totals["bad_records"]} bad records so far ({new} since the last '
+                          f'report) and {totals["truncated_files"]} truncated files (set --bad_records=fatal '
+                          'to stop instead)')
+            self._reported = totals
+
+
+class Preempted(RuntimeError):
+    """Training stopped on SIGTERM after saving a checkpoint; re-running the same command continues it."""
+
+
+class SaveOnSigterm(keras.callbacks.Callback):
+    """On SIGTERM (the preemption notice of cloud VMs), finishes the current step, saves a checkpoint and
+    stops training; train_and_evaluate then raises Preempted. The handler is installed for the duration of
+    training only (and only in the main thread, where Python delivers signals)."""
+
+    def __init__(self, manager: tf.train.CheckpointManager, print_fn=print):
+        super().__init__()
+        self.manager, self.print_fn = manager, print_fn
+        self.signalled = False
+        self.saved_step = None
+        self._previous = None
+
+    def _handle(self, signum, frame):
+        self.signalled = True
+
+    def on_train_begin(self, logs=None):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def on_train_end(self, logs=None):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.signalled and self.saved_step is None:
+            step = int(self.model.optimizer.iterations.numpy())
+            save_checkpoint(self.manager, step)
+            self.saved_step = step
+            self.model.stop_training = True
+            self.print_fn(f'SIGTERM: saved step {step} to {self.manager.directory}; stopping')
+
+
+def save_checkpoint(manager: tf.train.CheckpointManager, step: int) -> None:
+    """Saves ckpt-STEP unless it is already the latest. TensorFlow writes the files under temporary names and
+    updates the directory's `checkpoint` index last, so a crash while saving leaves the previous one latest."""
+    if manager.latest_checkpoint != f'{manager.directory}/ckpt-{step}':
+        manager.save(checkpoint_number=step)
+
+
 class Checkpoints(keras.callbacks.Callback):
     """Saves network and optimizer (slots and step) as ckpt-STEP at every multiple of ``every_steps`` steps
     and at the end of training."""
@@ -334,8 +419,7 @@ class Checkpoints(keras.callbacks.Callback):
         return int(self.model.optimizer.iterations.numpy())
 
     def _save(self, step: int) -> None:
-        if self.manager.latest_checkpoint != f'{self.manager.directory}/ckpt-{step}':
-            self.manager.save(checkpoint_number=step)
+        save_checkpoint(self.manager, step)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._step_before = self._step()
@@ -364,11 +448,32 @@ class ReestimateBatchNorm(keras.callbacks.Callback):
         batch_norm.reestimate_statistics(self.network, self._iterator, self.steps, self.strategy)
 
 
-def checkpoint_manager(classifier: Classifier, model_dir: str) -> tf.train.CheckpointManager:
-    """Checkpoints of network and optimizer in model_dir/checkpoints, named ckpt-STEP; the last 3 are kept."""
+def is_chief(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process writes the run's shared files (checkpoints, logs, results): always, except on
+    the non-chief workers of a MultiWorkerMirroredStrategy."""
+    resolver = getattr(strategy, 'cluster_resolver', None)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    return task_type in (None, 'chief') or (task_type == 'worker' and task_id == 0
+                                            and 'chief' not in resolver.cluster_spec().as_dict())
+
+
+def checkpoint_directory(model_dir: str, strategy: tf.distribute.Strategy) -> str:
+    """model_dir/checkpoints for the chief. Saving is a collective step every worker of a multi-worker run
+    takes, so the others write theirs to model_dir/workers/worker-ID (every worker restores the chief's)."""
+    if is_chief(strategy):
+        return os.path.join(model_dir, 'checkpoints')
+    return os.path.join(model_dir, 'workers', f'worker-{strategy.cluster_resolver.task_id}', 'checkpoints')
+
+
+def checkpoint_manager(classifier: Classifier, model_dir: str,
+                       strategy: Optional[tf.distribute.Strategy] = None) -> tf.train.CheckpointManager:
+    """Checkpoints of network and optimizer in checkpoint_directory(model_dir), named ckpt-STEP; the last 3
+    are kept."""
     checkpoint = tf.train.Checkpoint(network=classifier.network, optimizer=classifier.optimizer)
-    return tf.train.CheckpointManager(checkpoint, os.path.join(model_dir, 'checkpoints'), max_to_keep=3,
-                                      checkpoint_name='ckpt')
+    directory = checkpoint_directory(model_dir, strategy or tf.distribute.get_strategy())
+    return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=3, checkpoint_name='ckpt')
 
 
 # The settings that define the network's variables: a checkpoint only fits a network built with the same ones.
@@ -394,17 +499,31 @@ def check_model_settings(config: Config, model_dir: str) -> None:
             json.dump(current, f, indent=2)
 
 
-def restore_latest(manager: tf.train.CheckpointManager) -> Optional[str]:
-    """Restores the newest checkpoint, if any; returns its path. A checkpoint whose variables do not fit the
-    model is a ConfigError naming the first mismatch, not a fresh start."""
-    path = manager.latest_checkpoint
-    if path:
+def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
+                   directory: Optional[str] = None) -> Optional[str]:
+    """Restores the newest readable checkpoint of ``directory`` (default: the manager's); returns its path.
+
+    A checkpoint whose files are damaged (e.g. a disk filled while writing it) is reported and the one before
+    it tried. A checkpoint whose variables do not fit the model is a ConfigError naming the first mismatch,
+    not a fresh start.
+    """
+    directory = directory or manager.directory
+    state = tf.train.get_checkpoint_state(directory)
+    paths = list(state.all_model_checkpoint_paths) if state else []
+    if state and state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+        paths.append(state.model_checkpoint_path)
+    for path in reversed(paths):
+        path = path if os.path.isabs(path) or '://' in path else os.path.join(directory, path)
         try:
             manager.checkpoint.restore(path).assert_existing_objects_matched()
+            return path
         except (AssertionError, ValueError) as error:
             first_line = str(error).strip().splitlines()[0]
             raise ConfigError(f'{path} does not fit this model: {first_line}') from None
-    return path
+        except (tf.errors.OpError, IndexError, OSError) as error:
+            # TensorFlow's checkpoint reader reports a short data file as IndexError.
+            print_fn(f'warning: cannot read {path} ({type(error).__name__}); trying the checkpoint before it')
+    return None
 
 
 class FitSegment(NamedTuple):
@@ -462,39 +581,49 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     """Trains for config.train_steps (resuming from config.model_dir), evaluates, returns the final metrics.
 
     Returns a dict with top_1, top_5, loss (held-out; absent for synthetic data), train_loss, steps,
-    images_per_second and wall_seconds.
+    images_per_second, wall_seconds and the input's bad_records and truncated_files. Raises Preempted after
+    saving a checkpoint when SIGTERM arrives during training.
     """
     started = time.perf_counter()
-    if config.model_dir:
-        ensure_writable(config.model_dir)
-        check_model_settings(config, config.model_dir)
     strategy = strategy or strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices,
                                                       tpu=config.tpu)
+    chief = is_chief(strategy)
+    if config.model_dir:
+        ensure_writable(config.model_dir)
+        if chief:
+            check_model_settings(config, config.model_dir)
     check_replicas(config, strategy.num_replicas_in_sync)
-    train_data, eval_data = build_datasets(config, strategy, synthetic=synthetic)
-    eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     with strategy.scope():
         classifier = build_classifier(config)
 
-    progress = Progress(config.train_steps, config.global_batch_size, config.log_every_steps, print_fn)
-    callbacks = [progress, StopOnNonFiniteLoss()]
+    callbacks = [StopOnNonFiniteLoss()]
+    if config.model_dir:
+        manager = checkpoint_manager(classifier, config.model_dir, strategy)
+        # Every worker resumes from the chief's checkpoints.
+        restored = restore_latest(manager, print_fn, os.path.join(config.model_dir, 'checkpoints'))
+        if restored:
+            print_fn(f'resumed from {restored} at step {int(classifier.optimizer.iterations.numpy())}')
+        callbacks += [Checkpoints(manager, config.checkpoint_every_steps), SaveOnSigterm(manager, print_fn)]
+    start_step = int(classifier.optimizer.iterations.numpy())
+    skip_counts = input_pipeline.SkipCounts()
+    train_data, eval_data = build_datasets(config, strategy, synthetic=synthetic, start_step=start_step,
+                                           skip_counts=skip_counts)
+    eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     if config.norm != 'none' and config.bn_inference_statistics == 'reestimate':
         callbacks.append(ReestimateBatchNorm(classifier.network, train_data, config.bn_reestimate_batches,
                                              strategy))
-    if config.model_dir:
-        manager = checkpoint_manager(classifier, config.model_dir)
-        restored = restore_latest(manager)
-        if restored:
-            print_fn(f'resumed from {restored} at step {int(classifier.optimizer.iterations.numpy())}')
-        callbacks += [Checkpoints(manager, config.checkpoint_every_steps),
-                      keras.callbacks.TensorBoard(os.path.join(config.model_dir, 'logs'), update_freq='epoch',
-                                                  profile_batch=0)]
+    # Progress and ReportSkips add to the epoch logs, so they come before TensorBoard.
+    callbacks = [Progress(config.train_steps, config.global_batch_size, config.log_every_steps, print_fn),
+                 ReportSkips(skip_counts, print_fn)] + callbacks
+    if config.model_dir and chief:
+        callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, 'logs'), update_freq='epoch',
+                                                     profile_batch=0))
     print_fn(f'{config.depth}-layer ResNet, {strategy.num_replicas_in_sync} replicas '
              f'({type(strategy).__name__}), global batch {config.global_batch_size}, '
              f'{config.steps_per_epoch} steps/epoch, {config.train_steps} steps')
 
     train_loss, images_per_second = float('nan'), 0.0
-    start_step = int(classifier.optimizer.iterations.numpy())
+    sigterm = next((c for c in callbacks if isinstance(c, SaveOnSigterm)), None)
     for segment in fit_segments(start_step, config.train_steps, config.steps_per_epoch):
         validate = eval_data is not None and config.eval_every_epochs
         history = classifier.fit(
@@ -502,8 +631,12 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
             steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
             validation_data=eval_data if validate else None, validation_steps=eval_steps,
             validation_freq=config.eval_every_epochs if validate else 1)
-        train_loss = history.history['loss'][-1]
-        images_per_second = history.history['images_per_second'][-1]
+        if sigterm and sigterm.saved_step is not None:
+            raise Preempted(f'stopped by SIGTERM at step {sigterm.saved_step} after saving it; run the same '
+                            'command again to continue')
+        if history.history.get('loss'):
+            train_loss = history.history['loss'][-1]
+            images_per_second = history.history['images_per_second'][-1]
 
     results = {'steps': int(classifier.optimizer.iterations.numpy()), 'train_loss': float(train_loss),
                'images_per_second': float(images_per_second)}
@@ -516,13 +649,16 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
                  f'loss {results["loss"]:.4f} on {results["eval_images"]} images')
         if results['eval_images'] != config.num_eval_images:
             print_fn(f'warning: evaluated {results["eval_images"]} images but --num_eval_images='
-                     f'{config.num_eval_images}; set it to the size of the validation set')
-    if config.model_dir and config.export_saved_model:
+                     f'{config.num_eval_images}; set it to the size of the validation set (or see the skipped '
+                     'bad records above)')
+    results.update(skip_counts.totals())
+    if config.model_dir and config.export_saved_model and chief:
         path = os.path.join(config.model_dir, 'saved_model')
         export_saved_model(classifier.network, path)
         print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
-    if config.model_dir:
+    if config.model_dir and chief:
         with tf.io.gfile.GFile(os.path.join(config.model_dir, 'results.json'), 'w') as f:
             json.dump(results, f, indent=2)
     return results
+

@@ -73,10 +73,10 @@ class InputPipelineTest(tf.test.TestCase):
 
     def test_training_files_are_split_between_hosts(self):
         paths = input_pipeline.list_shards(self.data_dir, 'train')
-        shares = [list(input_pipeline._shard_files(paths, tf.distribute.InputContext(2, host, 4)).as_numpy_iterator())
+        shares = [input_pipeline._shard_files(paths, tf.distribute.InputContext(2, host, 4))
                   for host in range(2)]
         self.assertEqual(set(shares[0]) & set(shares[1]), set())
-        self.assertEqual(sorted(shares[0] + shares[1]), sorted(p.encode() for p in paths))
+        self.assertEqual(sorted(shares[0] + shares[1]), sorted(paths))
 
     def test_train_batches_are_normalized_and_labels_shifted(self):
         config = _config(self.data_dir)
@@ -101,8 +101,13 @@ class InputPipelineTest(tf.test.TestCase):
         with self.assertRaisesRegex(ConfigError, r'on-disk label 4 is outside \[1, 4\)'):
             input_pipeline.check_labels(input_pipeline.list_shards(self.data_dir, 'train')[3], config)
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'label out of range'):
-            for _ in input_pipeline.eval_dataset(config):
+            for _ in input_pipeline.eval_dataset(dataclasses.replace(config, bad_records='fatal')):
                 pass
+        # Skipping instead: the 5 validation images of label 4 are counted, the other 15 evaluated.
+        counts = input_pipeline.SkipCounts()
+        weights = [b[2].numpy() for b in input_pipeline.eval_dataset(config, skip_counts=counts)]
+        self.assertEqual(np.sum(weights), 15)
+        self.assertEqual(counts.totals(), {'bad_records': 5, 'truncated_files': 0})
 
     def test_missing_and_empty_data_dir(self):
         with self.assertRaisesRegex(ConfigError, 'does not exist'):

@@ -41,6 +41,18 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         for name in os.listdir(cls.train_only_dir):
             if name.startswith('validation'):
                 os.remove(os.path.join(cls.train_only_dir, name))
+        cls.truncated_dir = os.path.join(cls.root, 'truncated')
+        helpers.write_dataset(cls.truncated_dir)
+        shard = os.path.join(cls.truncated_dir, 'train-00002-of-00004')
+        with open(shard, 'rb') as f:
+            content = f.read()
+        with open(shard, 'wb') as f:
+            f.write(content[:len(content) // 2])
+        cls.unreadable_dir = os.path.join(cls.root, 'unreadable')
+        helpers.write_dataset(cls.unreadable_dir)
+        # A dangling link: listed by the glob, but it cannot be opened (chmod does not stop root).
+        os.remove(os.path.join(cls.unreadable_dir, 'train-00001-of-00004'))
+        os.symlink(os.path.join(cls.root, 'gone'), os.path.join(cls.unreadable_dir, 'train-00001-of-00004'))
         cls.a_file = os.path.join(cls.root, 'a_file')
         open(cls.a_file, 'w').close()
         cls.flagfile = os.path.join(cls.root, 'bad.cfg')
@@ -66,9 +78,12 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
          "unknown strategy 'abacus'"),
         ('model_dir_not_writable', lambda c: ['--data_dir=' + c.data_dir, '--model_dir=' + c.a_file + '/run'],
          'is not writable'),
-        ('label_outside_classes', lambda c: ['--data_dir=' + c.data_dir, '--num_classes=3'],
+        ('label_outside_classes', lambda c: ['--data_dir=' + c.data_dir, '--num_classes=3', '--bad_records=fatal'],
          # Caught at start (first records of the first shards) or, as here, inside the pipeline.
          r'label (out of range: expected on-disk labels in|4 is outside) \[1, 4\)'),
+        ('truncated_tfrecord_fatal', lambda c: ['--data_dir=' + c.truncated_dir, '--bad_records=fatal'],
+         'bad input record: .*(truncated|corrupted) record'),
+        ('unreadable_file', lambda c: ['--data_dir=' + c.unreadable_dir], 'cannot read .*train-00001-of-00004'),
     )
     def test_bad_input(self, make_args, expected):
         self.assert_one_line_error(SMALL + make_args(self), expected)

@@ -1,0 +1,96 @@
+"""Bad input records: a corrupt JPEG, a truncated JPEG, a record missing a feature and a TFRecord file cut
+mid-record are skipped and counted (every good image still seen once per epoch), or stop the run when set."""
+
+import dataclasses
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu import input_pipeline, tfrecord
+from imagenet_tpu.config import Config
+
+helpers.use_eight_cpus()
+
+NUM_GOOD = 16
+
+
+def write_bad_dataset(data_dir: str) -> list:
+    """Two train shards and two validation shards with the same content: 16 good records, labels 1..16 (one
+    per image, so a label identifies an image), plus 3 bad records in shard 0 and shard 1 cut mid-record.
+    Returns the good labels."""
+    os.makedirs(data_dir, exist_ok=True)
+    good = [tfrecord.make_example(tf.io.encode_jpeg(helpers.photo_like(20, 24, i)).numpy(), i + 1, 20, 24)
+            for i in range(NUM_GOOD)]
+    jpeg = good[0].features.feature[tfrecord.ENCODED].bytes_list.value[0]
+    corrupt = tfrecord.make_example(b'\xff\xd8' + b'garbage' * 50, 1, 20, 24)
+    truncated = tfrecord.make_example(jpeg[:len(jpeg) // 2], 1, 20, 24)
+    missing = tf.train.Example()
+    missing.features.feature[tfrecord.LABEL].int64_list.value.append(1)   # no image/encoded
+    for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
+        first = os.path.join(data_dir, tfrecord.shard_name(split, 0, 2))
+        tfrecord.write_shard(first, good[:5] + [corrupt] + good[5:8] + [truncated, missing])
+        second = os.path.join(data_dir, tfrecord.shard_name(split, 1, 2))
+        # Shard 1: records 8..15 and a 9th whose bytes are cut in the middle.
+        tfrecord.write_shard(second, good[8:] + [good[0]])
+        with open(second, 'rb') as f:
+            content = f.read()
+        with open(second, 'wb') as f:
+            f.write(content[:-200])
+    return list(range(1, NUM_GOOD + 1))
+
+
+def _config(data_dir, **overrides):
+    base = Config(data_dir=data_dir, num_classes=NUM_GOOD, label_offset=1, image_size=16, global_batch_size=4,
+                  eval_batch_size=4, num_train_images=NUM_GOOD, num_eval_images=NUM_GOOD, shuffle_buffer=32,
+                  seed=3, deterministic_input=True)
+    return dataclasses.replace(base, **overrides)
+
+
+class BadRecordsTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.data_dir = os.path.join(self.get_temp_dir(), 'bad')
+        self.good_labels = write_bad_dataset(self.data_dir)
+
+    def test_training_skips_and_counts_bad_records_and_sees_every_good_image(self):
+        counts = input_pipeline.SkipCounts()
+        dataset = input_pipeline.train_dataset(_config(self.data_dir), skip_counts=counts)
+        # One data epoch is the 16 good images: 4 batches of 4.
+        labels = np.concatenate([labels.numpy() for _, labels in dataset.take(4)])
+        self.assertCountEqual(labels + 1, self.good_labels)
+        totals = counts.totals()
+        # The pipeline reads ahead of what was taken, into the next epoch: at least this epoch's faults.
+        self.assertBetween(totals['bad_records'], 3, 6)
+        self.assertBetween(totals['truncated_files'], 1, 2)
+
+    def test_evaluation_counts_exactly(self):
+        counts = input_pipeline.SkipCounts()
+        batches = list(input_pipeline.eval_dataset(_config(self.data_dir), skip_counts=counts))
+        labels = np.concatenate([b[1].numpy() for b in batches])
+        weights = np.concatenate([b[2].numpy() for b in batches])
+        self.assertCountEqual(labels[weights == 1] + 1, self.good_labels)
+        self.assertEqual(counts.totals(), {'bad_records': 3, 'truncated_files': 1})
+
+    def test_fatal_setting_stops_at_the_first_bad_record(self):
+        config = _config(self.data_dir, bad_records='fatal')
+        with self.assertRaises((tf.errors.InvalidArgumentError, tf.errors.DataLossError)):
+            for _ in input_pipeline.eval_dataset(config):
+                pass
+        with self.assertRaises((tf.errors.InvalidArgumentError, tf.errors.DataLossError)):
+            for _ in input_pipeline.train_dataset(config).take(8):
+                pass
+
+    def test_decoded_image_cache_skips_the_same_records(self):
+        counts = input_pipeline.SkipCounts()
+        dataset = input_pipeline.train_dataset(_config(self.data_dir, input_cache='images'), skip_counts=counts)
+        labels = np.concatenate([labels.numpy() for _, labels in dataset.take(8)])
+        # Two epochs from the cache: each good image twice; the faults were met once, when the cache filled.
+        self.assertCountEqual(labels + 1, self.good_labels * 2)
+        self.assertEqual(counts.totals(), {'bad_records': 3, 'truncated_files': 1})
+
+
+if __name__ == '__main__':
+    tf.test.main()

@@ -1,0 +1,211 @@
+"""Runs that survive: kill -9 at a random moment and SIGTERM, each followed by the same command, end with the
+same weights as an uninterrupted run; a damaged or half-written checkpoint is passed over; memory is steady.
+
+Real processes of the command line on a tiny ResNet (2 logical CPU replicas, 16x16 images), --deterministic.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu import train
+from imagenet_tpu.config import Config
+
+helpers.use_eight_cpus()
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 60      # 10 epochs of 6 steps
+RUN = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
+       '--global_batch_size=8', '--eval_batch_size=8', f'--total_steps={STEPS}', '--strategy=cpu',
+       '--num_cpu_devices=2', '--checkpoint_every_steps=4', '--deterministic', '--seed=1',
+       '--eval_every_epochs=100', '--log_every_steps=1', '--shuffle_buffer=16', '--learning_rate=0.05',
+       '--warmup_epochs=1']
+TIMEOUT = 240
+
+
+def command(data_dir, model_dir):
+    return [sys.executable, '-m', 'imagenet_tpu.main', f'--data_dir={data_dir}', f'--model_dir={model_dir}', *RUN]
+
+
+def environment():
+    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+
+
+def run(data_dir, model_dir):
+    process = subprocess.run(command(data_dir, model_dir), cwd=REPO, env=environment(), capture_output=True,
+                             text=True, timeout=TIMEOUT)
+    return process.returncode, process.stdout, process.stderr
+
+
+def start(data_dir, model_dir, log_path):
+    log = open(log_path, 'w')
+    return subprocess.Popen(command(data_dir, model_dir), cwd=REPO, env=environment(), stdout=log,
+                            stderr=subprocess.STDOUT, text=True), log
+
+
+def latest_step(model_dir) -> int:
+    path = tf.train.latest_checkpoint(os.path.join(model_dir, 'checkpoints'))
+    return int(path.rsplit('-', 1)[1]) if path else 0
+
+
+def wait_for_checkpoint(process, model_dir, step):
+    deadline = time.time() + TIMEOUT
+    while latest_step(model_dir) < step:
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise AssertionError(f'no checkpoint of step {step} (exit {process.poll()})')
+        time.sleep(0.05)
+
+
+def final_weights(model_dir) -> dict:
+    """Every variable of the last checkpoint (network, BN statistics, optimizer slots and step)."""
+    reader = tf.train.load_checkpoint(os.path.join(model_dir, 'checkpoints'))
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith('_CHECKPOINTABLE_OBJECT_GRAPH')}
+
+
+def steps_printed(log_text) -> list:
+    return [int(step) for step in re.findall(r'step (\d+)/\d+', log_text)]
+
+
+class ResumeTest(tf.test.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.root = tf.compat.v1.test.get_temp_dir()
+        cls.data_dir = os.path.join(cls.root, 'data')
+        helpers.write_dataset(cls.data_dir)
+        cls.reference_dir = os.path.join(cls.root, 'uninterrupted')
+        code, cls.reference_out, stderr = run(cls.data_dir, cls.reference_dir)
+        assert code == 0, stderr[-3000:]
+        cls.reference = final_weights(cls.reference_dir)
+
+    def assert_same_weights(self, model_dir):
+        """Weights, optimizer slots and step bit-identical to the uninterrupted run's. Batch-norm moving
+        statistics to float32 rounding: Keras keeps them per replica (synchronization ON_READ) and a checkpoint
+        stores their replica mean, so a resumed run restarts every replica from that mean; the averages are
+        the same sums in another order."""
+        weights = final_weights(model_dir)
+        self.assertEqual(sorted(weights), sorted(self.reference))
+        with open(os.path.join(model_dir, 'results.json')) as f:
+            self.assertEqual(json.load(f)['steps'], STEPS)
+        exact, moving = {}, {}
+        for name, value in weights.items():
+            difference = np.abs(value.astype(np.float64) - self.reference[name])
+            if '/moving_' in name:
+                moving[name] = float(np.max(difference / np.maximum(np.abs(self.reference[name]), 1e-3)))
+            else:
+                exact[name] = float(np.max(difference))
+        worst = max(exact.values())
+        print(f'{model_dir}: largest difference from the uninterrupted run over {len(exact)} weights and slots: '
+              f'{worst}; largest relative difference of {len(moving)} BN moving statistics: '
+              f'{max(moving.values()):.2e}')
+        self.assertEqual(worst, 0.0, sorted(exact.items(), key=lambda item: -item[1])[:5])
+        self.assertLess(max(moving.values()), 1e-5)
+
+    def test_kill_9_at_a_random_moment_then_the_same_command_ends_with_the_same_weights(self):
+        model_dir = os.path.join(self.root, 'killed')
+        log_path = os.path.join(self.root, 'killed.log')
+        process, log = start(self.data_dir, model_dir, log_path)
+        wait_for_checkpoint(process, model_dir, 12)
+        time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))   # anywhere: mid-step, mid-save
+        process.send_signal(signal.SIGKILL)
+        process.wait(TIMEOUT)
+        log.close()
+        with open(log_path) as f:
+            reached = max(steps_printed(f.read()))
+        code, out, stderr = run(self.data_dir, model_dir)
+        self.assertEqual(code, 0, stderr[-3000:])
+        resumed = int(re.search(r'resumed from \S+ckpt-(\d+) at step (\d+)', out).group(2))
+        print(f'killed after step {reached}; resumed at step {resumed}: {reached - resumed} steps replayed')
+        self.assertBetween(reached - resumed, 0, 4 + 1)   # at most one checkpoint interval (and the step running)
+        self.assert_same_weights(model_dir)
+
+    def test_sigterm_saves_the_current_step_and_the_same_command_continues(self):
+        model_dir = os.path.join(self.root, 'preempted')
+        log_path = os.path.join(self.root, 'preempted.log')
+        process, log = start(self.data_dir, model_dir, log_path)
+        wait_for_checkpoint(process, model_dir, 8)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        self.assertEqual(process.wait(TIMEOUT), 143)
+        log.close()
+        with open(log_path) as f:
+            text = f.read()
+        saved = int(re.search(r'SIGTERM: saved step (\d+)', text).group(1))
+        self.assertIn(f'stopped by SIGTERM at step {saved}', text)
+        self.assertEqual(latest_step(model_dir), saved)     # nothing lost: the step it was at is the checkpoint
+        self.assertGreaterEqual(saved, max(steps_printed(text)))
+        code, out, stderr = run(self.data_dir, model_dir)
+        self.assertEqual(code, 0, stderr[-3000:])
+        self.assertIn(f'at step {saved}', out)
+        self.assert_same_weights(model_dir)
+
+    def test_memory_is_steady_over_epochs(self):
+        memory = [float(m.replace(',', '')) for m in re.findall(r'memory ([\d,]+) MiB', self.reference_out)]
+        self.assertLen(memory, STEPS // 6)
+        print('resident memory by epoch (MiB):', memory)
+        # Memory grows while buffers and allocator pools fill in the first epochs, then holds: over the last
+        # five epochs it stays within 10 MiB.
+        self.assertLess(max(memory[5:]) - min(memory[5:]), 10.0)
+
+
+class CheckpointAtomicityTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.model_dir = os.path.join(self.get_temp_dir(), f'atomic-{self.id().rsplit(".", 1)[1]}')
+        config = Config(depth=18, image_size=16, num_classes=4, global_batch_size=8, model_dir=self.model_dir)
+        self.classifier = train.build_classifier(config)
+        self.manager = train.checkpoint_manager(self.classifier, self.model_dir)
+        self.classifier.optimizer.iterations.assign(4)
+        train.save_checkpoint(self.manager, 4)
+        self.saved = [w.copy() for w in self.classifier.network.get_weights()]
+        self.classifier.optimizer.iterations.assign(8)
+        for variable in self.classifier.network.weights:
+            variable.assign(variable + 1.0)
+
+    def restore(self):
+        messages = []
+        path = train.restore_latest(self.manager, messages.append)
+        return path, messages
+
+    def test_a_crash_while_writing_leaves_the_previous_checkpoint_latest(self):
+        # A save cut short: the files of step 8 written, the directory's index not yet updated, and the
+        # temporary folder of a save that died earlier still there.
+        self.manager.checkpoint.write(os.path.join(self.manager.directory, 'ckpt-8'))
+        os.makedirs(os.path.join(self.manager.directory, 'ckpt-12_temp'))
+        with open(os.path.join(self.manager.directory, 'ckpt-12_temp', 'part-00000-of-00001.data-00000-of-00001'),
+                  'wb') as f:
+            f.write(b'half')
+        path, messages = self.restore()
+        self.assertEqual(os.path.basename(path), 'ckpt-4')
+        self.assertEqual(messages, [])
+        self.assertEqual(int(self.classifier.optimizer.iterations.numpy()), 4)
+        for restored, saved in zip(self.classifier.network.get_weights(), self.saved):
+            self.assertAllEqual(restored, saved)
+
+    def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(self):
+        train.save_checkpoint(self.manager, 8)
+        data = [name for name in os.listdir(self.manager.directory) if name.startswith('ckpt-8.data')]
+        with open(os.path.join(self.manager.directory, data[0]), 'r+b') as f:
+            f.truncate(100)
+        path, messages = self.restore()
+        self.assertEqual(os.path.basename(path), 'ckpt-4')
+        self.assertLen(messages, 1)
+        self.assertRegex(messages[0], r'cannot read .*ckpt-8 .*trying the checkpoint before it')
+        self.assertEqual(int(self.classifier.optimizer.iterations.numpy()), 4)
+
+
+if __name__ == '__main__':
+    tf.test.main()
