@@ -49,10 +49,23 @@ def file_sizes(paths: list) -> list:
 
 
 def check_labels(path: str, config: Config, records: int = 64) -> None:
-    """Reads the first ``records`` labels of a shard and fails at start if any is outside the model's range."""
+    """Reads the first ``records`` labels of a shard and fails at start if any is outside the model's range
+    (a wrong --num_classes or --label_offset, rather than a bad record). Records that cannot be read are left
+    to the pipeline, which skips and counts them, or with bad_records='fatal' are an error here already."""
     low, high = config.label_offset, config.label_offset + config.num_classes
-    for record in tf.data.TFRecordDataset(path).take(records):
-        label = int(tfrecord.parse_example(record)['label'])
+    iterator = iter(tf.data.TFRecordDataset(path).take(records))
+    for index in range(records):
+        try:
+            label = int(tfrecord.parse_example(next(iterator))['label'])
+        except StopIteration:
+            return
+        except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
+            if config.bad_records == 'fatal':
+                first_line = error.message.strip().splitlines()[0]
+                raise ConfigError(f'{path}: record {index} cannot be read ({first_line})') from None
+            if isinstance(error, tf.errors.DataLossError):
+                return
+            continue
         if not low <= label < high:
             raise ConfigError(
                 f'{path}: on-disk label {label} is outside [{low}, {high}) given --num_classes={config.num_classes}'
@@ -299,7 +312,7 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
 def _decode_full(record: tf.Tensor):
     """(uint8 image, on-disk label) of a record, for the decoded-image cache."""
     example = tfrecord.parse_example(record)
-    return tf.io.decode_jpeg(example['encoded'], channels=3), example['label']
+    return tf.io.decode_jpeg(example['encoded'], channels=3, dct_method=preprocessing.DCT_METHOD), example['label']
 
 
 def image_dtype(config: Config) -> tf.DType:

@@ -7,6 +7,7 @@ Bad input (missing data, settings that cannot work) ends with one line `error: .
 SIGTERM during training saves a checkpoint and exits with status 143 (run the same command to continue).
 """
 
+import functools
 import os
 import re
 import sys
@@ -237,7 +238,9 @@ def main(argv):
             keras.utils.set_random_seed(config.seed)
         if _DETERMINISTIC.value:
             tf.config.experimental.enable_op_determinism()
-        train.train_and_evaluate(config, synthetic=_SYNTHETIC_DATA.value)
+        # Flushed lines: progress reaches a log file or pipe as it happens, and survives a kill.
+        train.train_and_evaluate(config, synthetic=_SYNTHETIC_DATA.value,
+                                 print_fn=functools.partial(print, flush=True))
     except (ConfigError, train.TrainingDiverged) as error:
         fail(str(error))
     except train.Preempted as error:

@@ -235,25 +235,47 @@ def check_replicas(config: Config, num_replicas: int) -> None:
         config.bn_group_size_for(num_replicas)
 
 
-def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False,
-                   start_step: int = 0, skip_counts: Optional[input_pipeline.SkipCounts] = None):
-    """(train, eval) distributed datasets; eval is None for synthetic data. The training stream resumes after
-    ``start_step`` steps (input_pipeline.train_dataset); bad records are counted into ``skip_counts``.
-    Batches are prefetched onto each replica's device (config.prefetch_to_device batches)."""
-    options = tf.distribute.InputOptions(experimental_fetch_to_device=True,
-                                         experimental_per_replica_buffer_size=config.prefetch_to_device)
+def _input_options(config: Config) -> tf.distribute.InputOptions:
+    """Batches are prefetched onto each replica's device (config.prefetch_to_device batches)."""
+    return tf.distribute.InputOptions(experimental_fetch_to_device=True,
+                                      experimental_per_replica_buffer_size=config.prefetch_to_device)
+
+
+def build_train_dataset(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False,
+                        start_step: int = 0, skip_counts: Optional[input_pipeline.SkipCounts] = None):
+    """The distributed training stream from step ``start_step`` on (input_pipeline.train_dataset); bad
+    records are counted into ``skip_counts``. Each model.fit call iterates its dataset from the beginning, so
+    a fit that starts at step N needs the stream built for N."""
     if synthetic:
-        train = strategy.distribute_datasets_from_function(
-            lambda context: input_pipeline.synthetic_dataset(config, context), options)
-        return train, None
+        return strategy.distribute_datasets_from_function(
+            lambda context: input_pipeline.synthetic_dataset(config, context), _input_options(config))
+    return strategy.distribute_datasets_from_function(
+        lambda context: input_pipeline.train_dataset(config, context, start_step=start_step,
+                                                     skip_counts=skip_counts), _input_options(config))
+
+
+def build_eval_dataset(config: Config, strategy: tf.distribute.Strategy,
+                       skip_counts: Optional[input_pipeline.SkipCounts] = None):
+    """The distributed evaluation batches: every validation image once (input_pipeline.eval_dataset)."""
+    return strategy.distribute_datasets_from_function(
+        lambda context: input_pipeline.eval_dataset(config, context, skip_counts=skip_counts),
+        _input_options(config))
+
+
+def check_data(config: Config) -> None:
+    """Fails at start when a split has no files, or its first labels are outside the model's range."""
     for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
         input_pipeline.check_labels(input_pipeline.list_shards(config.data_dir, split)[0], config)
-    train = strategy.distribute_datasets_from_function(
-        lambda context: input_pipeline.train_dataset(config, context, start_step=start_step,
-                                                     skip_counts=skip_counts), options)
-    evaluation = strategy.distribute_datasets_from_function(
-        lambda context: input_pipeline.eval_dataset(config, context, skip_counts=skip_counts), options)
-    return train, evaluation
+
+
+def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False,
+                   start_step: int = 0, skip_counts: Optional[input_pipeline.SkipCounts] = None):
+    """(train, eval) distributed datasets; eval is None for synthetic data."""
+    if synthetic:
+        return build_train_dataset(config, strategy, True), None
+    check_data(config)
+    return (build_train_dataset(config, strategy, False, start_step, skip_counts),
+            build_eval_dataset(config, strategy, skip_counts))
 
 
 def format_duration(seconds: float) -> str:
@@ -504,7 +526,7 @@ def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
     """Restores the newest readable checkpoint of ``directory`` (default: the manager's); returns its path.
 
     A checkpoint whose files are damaged (e.g. a disk filled while writing it) is reported and the one before
-    it tried. A checkpoint whose variables do not fit the model is a ConfigError naming the first mismatch,
+    it tried; when none can be read, ConfigError (never a silent fresh start). A checkpoint whose variables do not fit the model is a ConfigError naming the first mismatch,
     not a fresh start.
     """
     directory = directory or manager.directory
@@ -512,8 +534,7 @@ def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
     paths = list(state.all_model_checkpoint_paths) if state else []
     if state and state.model_checkpoint_path and state.model_checkpoint_path not in paths:
         paths.append(state.model_checkpoint_path)
-    for path in reversed(paths):
-        path = path if os.path.isabs(path) or '://' in path else os.path.join(directory, path)
+    for path in reversed(paths):   # get_checkpoint_state has already put ``directory`` in front of each
         try:
             manager.checkpoint.restore(path).assert_existing_objects_matched()
             return path
@@ -523,6 +544,9 @@ def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
         except (tf.errors.OpError, IndexError, OSError) as error:
             # TensorFlow's checkpoint reader reports a short data file as IndexError.
             print_fn(f'warning: cannot read {path} ({type(error).__name__}); trying the checkpoint before it')
+    if paths:
+        raise ConfigError(f'none of the {len(paths)} checkpoints in {directory} can be read; move them away to '
+                          'start afresh')
     return None
 
 
@@ -556,7 +580,7 @@ def fit_segments(start_step: int, total_steps: int, steps_per_epoch: int) -> Lis
 def ensure_writable(model_dir: str) -> None:
     try:
         tf.io.gfile.makedirs(model_dir)
-        probe = os.path.join(model_dir, '.write_probe')
+        probe = os.path.join(model_dir, f'.write_probe-{os.getpid()}')   # one per process: workers share model_dir
         with tf.io.gfile.GFile(probe, 'w') as f:
             f.write('ok')
         tf.io.gfile.remove(probe)
@@ -626,6 +650,9 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     sigterm = next((c for c in callbacks if isinstance(c, SaveOnSigterm)), None)
     for segment in fit_segments(start_step, config.train_steps, config.steps_per_epoch):
         validate = eval_data is not None and config.eval_every_epochs
+        step = int(classifier.optimizer.iterations.numpy())
+        if step != start_step:   # a later fit call: the stream must continue where the last one stopped
+            train_data = build_train_dataset(config, strategy, synthetic, step, skip_counts)
         history = classifier.fit(
             train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
             steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,

@@ -34,7 +34,7 @@ class SynchronizedTrainingTest(tf.test.TestCase):
         # On one device a group is the whole batch; with group = all 8 replicas, each batch norm sees the same
         # 16 images, so the two runs must agree (weights, batch-norm parameters and moving statistics).
         rng = np.random.default_rng(0)
-        images = rng.normal(size=(48, 16, 16, 3)).astype(np.float32)
+        images = helpers.pixels(rng, (48, 16, 16, 3))
         labels = rng.integers(0, 10, size=48).astype(np.int32)
         dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(16)
         norm = batch_norm.group_batch_norm_factory(group_size=8, momentum=0.9, epsilon=1e-5)

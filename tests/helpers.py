@@ -52,10 +52,16 @@ def write_dataset(data_dir: str, num_train: int = 48, num_validation: int = 20, 
     return written
 
 
+def pixels(rng: np.random.Generator, shape) -> np.ndarray:
+    """Random float32 images on the pixel scale the network expects (0..255 around ImageNet's mean): after
+    its first layer (resnet.Standardize) they are about N(0, 1)."""
+    return (117.0 + 58.0 * rng.normal(size=shape)).astype(np.float32)
+
+
 def equivalence_batches(steps: int = 3, batch: int = 16, size: int = 16, classes: int = 10, seed: int = 0):
     """A fixed dataset of ``steps`` batches of random images and labels, for with/without-strategy tests."""
     rng = np.random.default_rng(seed)
-    images = rng.normal(size=(steps * batch, size, size, 3)).astype(np.float32)
+    images = pixels(rng, (steps * batch, size, size, 3))
     labels = rng.integers(0, classes, size=steps * batch).astype(np.int32)
     return tf.data.Dataset.from_tensor_slices((images, labels)).batch(batch)
 

@@ -1,6 +1,7 @@
 """The command line: each bad input ends with one clear line and a non-zero exit, never a traceback."""
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from absl import flags
 from absl.testing import flagsaver, parameterized
 import tensorflow as tf
 
+import bad_records_test
 import helpers
 from imagenet_tpu import main, schedules, train
 
@@ -84,9 +86,30 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         ('truncated_tfrecord_fatal', lambda c: ['--data_dir=' + c.truncated_dir, '--bad_records=fatal'],
          'bad input record: .*(truncated|corrupted) record'),
         ('unreadable_file', lambda c: ['--data_dir=' + c.unreadable_dir], 'cannot read .*train-00001-of-00004'),
+        ('bn_group_not_dividing_replicas', lambda c: ['--data_dir=' + c.data_dir, '--bn_group_size=3'],
+         'batch-norm group of 3 replicas does not divide the 8 replicas'),
     )
     def test_bad_input(self, make_args, expected):
         self.assert_one_line_error(SMALL + make_args(self), expected)
+
+    def test_bad_records_are_skipped_counted_and_reported(self):
+        data_dir = os.path.join(self.root, 'bad_records')
+        bad_records_test.write_bad_dataset(data_dir)
+        model_dir = os.path.join(self.root, 'bad_records_run')
+        environment = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+        process = subprocess.run(
+            [sys.executable, '-m', 'imagenet_tpu.main', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
+             '--depth=18', '--image_size=16', '--num_classes=16', '--num_train_images=16', '--num_eval_images=16',
+             '--global_batch_size=8', '--eval_batch_size=8', '--train_epochs=2', '--strategy=cpu',
+             '--num_cpu_devices=2'], cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
+        self.assertEqual(process.returncode, 0, process.stderr[-3000:])
+        self.assertRegex(process.stdout, r'input: skipped \d+ bad records so far .* and \d+ truncated files')
+        with open(os.path.join(model_dir, 'results.json')) as f:
+            results = json.load(f)
+        # Evaluation alone meets 3 bad records and 1 cut file; training reads ahead of its 2 epochs.
+        self.assertGreaterEqual(results['bad_records'], 3 + 3)
+        self.assertGreaterEqual(results['truncated_files'], 1 + 1)
+        self.assertEqual(results['eval_images'], 16)      # every good validation image, once
 
     def test_unknown_flag_in_flagfile(self):
         self.assert_one_line_error(['--flagfile=' + self.flagfile], "Unknown command line flag 'bogus_setting'",

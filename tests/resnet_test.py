@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
-from imagenet_tpu import resnet
+from imagenet_tpu import preprocessing, resnet
 
 helpers.use_eight_cpus()
 
@@ -51,7 +51,9 @@ class ResNetTest(tf.test.TestCase, parameterized.TestCase):
         images = np.random.default_rng(1).normal(size=(2, 32, 32, 3)).astype(np.float32)
         kernel = model.get_layer('stem_conv').kernel.numpy()
         bn = model.get_layer('stem_bn')
-        conv = tf.nn.conv2d(images, kernel, strides=2, padding='SAME')
+        # The first layer standardizes pixels with ImageNet's channel statistics.
+        standardized = (images - np.array(preprocessing.MEAN_RGB)) / np.array(preprocessing.STDDEV_RGB)
+        conv = tf.nn.conv2d(standardized.astype(np.float32), kernel, strides=2, padding='SAME')
         normed = (conv - bn.moving_mean) / np.sqrt(bn.moving_variance + bn.epsilon) * bn.gamma + bn.beta
         expected = tf.nn.max_pool2d(tf.nn.relu(normed), 3, 2, 'SAME')
         probe = keras.Model(model.input, model.get_layer('stem_pool').output)

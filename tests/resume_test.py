@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import helpers
 from imagenet_tpu import train
-from imagenet_tpu.config import Config
+from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
 
@@ -37,7 +37,7 @@ def command(data_dir, model_dir):
 
 
 def environment():
-    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1')
 
 
 def run(data_dir, model_dir):
@@ -101,6 +101,8 @@ class ResumeTest(tf.test.TestCase):
             self.assertEqual(json.load(f)['steps'], STEPS)
         exact, moving = {}, {}
         for name, value in weights.items():
+            if name.startswith('save_counter'):    # how many saves, not state: a SIGTERM adds one
+                continue
             difference = np.abs(value.astype(np.float64) - self.reference[name])
             if '/moving_' in name:
                 moving[name] = float(np.max(difference / np.maximum(np.abs(self.reference[name]), 1e-3)))
@@ -156,8 +158,9 @@ class ResumeTest(tf.test.TestCase):
         self.assertLen(memory, STEPS // 6)
         print('resident memory by epoch (MiB):', memory)
         # Memory grows while buffers and allocator pools fill in the first epochs, then holds: over the last
-        # five epochs it stays within 10 MiB.
-        self.assertLess(max(memory[5:]) - min(memory[5:]), 10.0)
+        # five epochs it moves by less than 3% (allocator noise is about 20 MiB of 1.4 GiB here; a leak of a
+        # retraced function or a dataset per epoch adds tens of MiB each epoch).
+        self.assertLess(max(memory[5:]) - min(memory[5:]), 0.03 * memory[5])
 
 
 class CheckpointAtomicityTest(tf.test.TestCase):
@@ -205,6 +208,20 @@ class CheckpointAtomicityTest(tf.test.TestCase):
         self.assertLen(messages, 1)
         self.assertRegex(messages[0], r'cannot read .*ckpt-8 .*trying the checkpoint before it')
         self.assertEqual(int(self.classifier.optimizer.iterations.numpy()), 4)
+
+    def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(self):
+        for name in os.listdir(self.manager.directory):
+            if '.data' in name:
+                with open(os.path.join(self.manager.directory, name), 'r+b') as f:
+                    f.truncate(10)
+        with self.assertRaisesRegex(ConfigError, 'none of the 1 checkpoints in .* can be read'):
+            self.restore()
+
+    def test_relative_model_dir(self):
+        os.chdir(os.path.dirname(self.model_dir))
+        relative = os.path.basename(self.model_dir)
+        manager = train.checkpoint_manager(self.classifier, relative)
+        self.assertEqual(os.path.basename(train.restore_latest(manager)), 'ckpt-4')
 
 
 if __name__ == '__main__':

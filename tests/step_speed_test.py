@@ -32,7 +32,7 @@ class SpaceToDepthTest(tf.test.TestCase):
             for layer in model.layers:
                 if isinstance(layer, keras.layers.BatchNormalization):
                     layer.gamma.assign(tf.fill(layer.gamma.shape, 0.7))
-        images = np.random.default_rng(1).normal(size=(4, 32, 32, 3)).astype(np.float32)
+        images = helpers.pixels(np.random.default_rng(1), (4, 32, 32, 3))
         self.assertAllClose(standard(images, training=False),
                             folded(tf.nn.space_to_depth(images, 2), training=False), atol=1e-4, rtol=1e-4)
         stem = keras.Model(standard.input, standard.get_layer('stem_conv').output)
@@ -75,7 +75,7 @@ class MixedPrecisionTest(tf.test.TestCase):
         self.assertEqual(input_pipeline.image_dtype(config), tf.bfloat16)
         self.assertEqual(keras.mixed_precision.global_policy().name, 'float32')  # restored after the build
         # A tiny problem the network can fit: 8 images, loss falls over 15 steps and stays finite.
-        images = tf.cast(np.random.default_rng(0).normal(size=(8, 32, 32, 3)), tf.bfloat16)
+        images = tf.cast(helpers.pixels(np.random.default_rng(0), (8, 32, 32, 3)), tf.bfloat16)
         labels = tf.constant(np.arange(8) % 10, tf.int32)
         history = classifier.fit(tf.data.Dataset.from_tensors((images, labels)).repeat(), epochs=1,
                                  steps_per_epoch=15, verbose=0)

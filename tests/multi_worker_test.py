@@ -1,0 +1,127 @@
+"""MultiWorkerMirroredStrategy with two worker processes on 127.0.0.1 (tools/run_local_workers.py): both end
+with identical weights; after one worker is killed mid-run, running the same command again continues from the
+last checkpoint."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu import cluster
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
+       '--global_batch_size=8', '--eval_batch_size=8', '--strategy=multi_worker', '--checkpoint_every_steps=4',
+       '--seed=1', '--log_every_steps=1', '--eval_every_epochs=100', '--deterministic']
+TIMEOUT = 300
+
+
+def launcher(data_dir, model_dir, steps):
+    return [sys.executable, os.path.join(REPO, 'tools', 'run_local_workers.py'), '--num_workers=2',
+            f'--timeout={TIMEOUT - 30}', '--', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
+            f'--total_steps={steps}', *RUN]
+
+
+def environment():
+    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+
+
+def weights(directory) -> dict:
+    reader = tf.train.load_checkpoint(directory)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith('_CHECKPOINTABLE_OBJECT_GRAPH')}
+
+
+def errors(output: str) -> str:
+    """The lines of a failed run that say why, then its end."""
+    lines = [line for line in output.splitlines() if 'error' in line.lower() and 'cuInit' not in line]
+    return '\n'.join(lines[:10]) + '\n...\n' + output[-2000:]
+
+
+def latest_step(directory) -> int:
+    path = tf.train.latest_checkpoint(directory)
+    return int(path.rsplit('-', 1)[1]) if path else 0
+
+
+class ClusterTest(tf.test.TestCase):
+
+    def test_tf_config(self):
+        workers = cluster.local_workers(2)
+        self.assertLen(set(workers), 2)
+        self.assertEqual(json.loads(cluster.tf_config(workers, 1)),
+                         {'cluster': {'worker': workers}, 'task': {'type': 'worker', 'index': 1}})
+        with self.assertRaisesRegex(ValueError, 'outside the 2 workers'):
+            cluster.tf_config(workers, 2)
+
+
+class MultiWorkerTest(tf.test.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.root = tf.compat.v1.test.get_temp_dir()
+        cls.data_dir = os.path.join(cls.root, 'data')
+        helpers.write_dataset(cls.data_dir)
+
+    def assert_workers_agree(self, model_dir, steps):
+        chief = os.path.join(model_dir, 'checkpoints')
+        other = os.path.join(model_dir, 'workers', 'worker-1', 'checkpoints')
+        self.assertEqual(latest_step(chief), steps)
+        self.assertEqual(latest_step(other), steps)
+        first, second = weights(chief), weights(other)
+        self.assertEqual(sorted(first), sorted(second))
+        for name in first:
+            self.assertAllEqual(first[name], second[name], msg=name)
+        self.assertTrue(any(np.any(value != 0) for name, value in first.items() if 'kernel' in name))
+
+    def test_two_workers_train_together_and_end_with_identical_weights(self):
+        model_dir = os.path.join(self.root, 'together')
+        process = subprocess.run(launcher(self.data_dir, model_dir, 12), env=environment(), capture_output=True,
+                                 text=True, timeout=TIMEOUT)
+        self.assertEqual(process.returncode, 0, errors(process.stdout))
+        for index in range(2):
+            self.assertIn(f'[worker {index}] 18-layer ResNet, 2 replicas', process.stdout)
+        self.assert_workers_agree(model_dir, 12)
+
+    def test_a_killed_worker_then_the_same_command_continues_from_the_last_checkpoint(self):
+        model_dir = os.path.join(self.root, 'killed')
+        log_path = os.path.join(self.root, 'killed.log')
+        with open(log_path, 'w') as log:
+            process = subprocess.Popen(launcher(self.data_dir, model_dir, 36), env=environment(), stdout=log,
+                                       stderr=subprocess.STDOUT, text=True)
+            deadline = time.time() + TIMEOUT
+            while latest_step(os.path.join(model_dir, 'checkpoints')) < 8:
+                self.assertIsNone(process.poll(), 'the workers ended before the kill')
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.1)
+            with open(log_path) as f:
+                text = f.read()
+            found = re.search(r'worker 1 pid (\d+)', text)
+            self.assertIsNotNone(found, text[-3000:])
+            pid = int(found.group(1))
+            os.kill(pid, signal.SIGKILL)
+            self.assertEqual(process.wait(TIMEOUT), 128 + signal.SIGKILL)
+        with open(log_path) as f:
+            text = f.read()
+        self.assertIn('worker 1 exited with status -9; stopping the others', text)
+        reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch \d+ step (\d+)/', text))
+        process = subprocess.run(launcher(self.data_dir, model_dir, 36), env=environment(), capture_output=True,
+                                 text=True, timeout=TIMEOUT)
+        self.assertEqual(process.returncode, 0, errors(process.stdout))
+        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
+        self.assertLen(resumed, 2)                  # both workers, from the chief's checkpoint
+        self.assertEqual(resumed[0], resumed[1])
+        print(f'worker 1 killed with worker 0 at step {reached}; both resumed at step {resumed[0]}')
+        self.assertBetween(reached - resumed[0], 0, 4 + 1)
+        self.assert_workers_agree(model_dir, 36)
+
+
+if __name__ == '__main__':
+    tf.test.main()

@@ -1,0 +1,103 @@
+"""Preprocessing against independent references: random crops within the configured area and aspect ranges
+and honouring boxes; evaluation crops of real photographs against PIL decoding and a NumPy centre crop."""
+
+import os
+
+import numpy as np
+from PIL import Image
+import sklearn.datasets
+import tensorflow as tf
+
+from imagenet_tpu import preprocessing
+
+PHOTOS = [os.path.join(os.path.dirname(sklearn.datasets.__file__), 'images', name)
+          for name in ('china.jpg', 'flower.jpg')]
+SAMPLES = 2000
+
+
+def windows(shape, boxes, min_area=0.08):
+    sample = tf.function(lambda seed: preprocessing.sample_crop_window(tf.constant(shape), boxes,
+                                                                       min_area=min_area, seed=seed))
+    return np.array([sample(tf.constant([i, 7], tf.int64)).numpy() for i in range(SAMPLES)])
+
+
+class CropStatisticsTest(tf.test.TestCase):
+
+    def test_area_and_aspect_ratio_stay_in_their_ranges(self):
+        height, width = 375, 500
+        found = windows([height, width, 3], tf.zeros([0, 4]), min_area=0.08)
+        y, x, h, w = found.T
+        self.assertTrue(np.all((y >= 0) & (x >= 0) & (y + h <= height) & (x + w <= width)))
+        area = h * w / (height * width)
+        whole = (h == height) & (w == width)
+        crops = ~whole
+        # Whole image only as the fallback after 10 failed attempts: rare for these ranges.
+        self.assertLess(np.mean(whole), 0.05)
+        # Windows are whole pixels, so the ranges hold up to one pixel of rounding.
+        self.assertTrue(np.all(area[crops] >= 0.08 - 2 * (h[crops] + w[crops]) / (height * width)))
+        aspect = w[crops] / h[crops]
+        self.assertTrue(np.all(aspect >= 0.75 * (1 - 1 / h[crops]) - 1e-6), aspect.min())
+        self.assertTrue(np.all(aspect <= 4 / 3 * (1 + 1 / w[crops]) + 1e-6), aspect.max())
+        # Areas spread over the range rather than sitting at one end.
+        self.assertLess(np.percentile(area[crops], 10), 0.3)
+        self.assertGreater(np.percentile(area[crops], 90), 0.6)
+
+    def test_crops_cover_at_least_a_tenth_of_a_box(self):
+        height, width = 400, 600
+        box = [0.6, 0.7, 0.9, 0.95]   # ymin, xmin, ymax, xmax: a small box in the lower right
+        found = windows([height, width, 3], tf.constant([box]), min_area=0.08)
+        y, x, h, w = found.T.astype(np.float64)
+        top, left, bottom, right = box[0] * height, box[1] * width, box[2] * height, box[3] * width
+        overlap = (np.clip(np.minimum(y + h, bottom) - np.maximum(y, top), 0, None)
+                   * np.clip(np.minimum(x + w, right) - np.maximum(x, left), 0, None))
+        covered = overlap / ((bottom - top) * (right - left))
+        crops = ~((h == height) & (w == width))
+        self.assertGreater(np.mean(crops), 0.9)
+        self.assertTrue(np.all(covered[crops] >= 0.1 - 0.02), covered[crops].min())
+        # Without the box, many crops would miss the corner: the box is what keeps them there.
+        free = windows([height, width, 3], tf.zeros([0, 4]))
+        fy, fx, fh, fw = free.T.astype(np.float64)
+        free_overlap = (np.clip(np.minimum(fy + fh, bottom) - np.maximum(fy, top), 0, None)
+                        * np.clip(np.minimum(fx + fw, right) - np.maximum(fx, left), 0, None))
+        self.assertGreater(np.mean(free_overlap / ((bottom - top) * (right - left)) < 0.1), 0.2)
+
+    def test_same_seed_same_crop_and_flip(self):
+        with open(PHOTOS[0], 'rb') as f:
+            encoded = tf.constant(f.read())
+        seed = tf.constant([3, 4], tf.int64)
+        first = preprocessing.preprocess_for_train(encoded, tf.zeros([0, 4]), 64, seed=seed)
+        again = preprocessing.preprocess_for_train(encoded, tf.zeros([0, 4]), 64, seed=seed)
+        other = preprocessing.preprocess_for_train(encoded, tf.zeros([0, 4]), 64, seed=seed + 1)
+        self.assertAllEqual(first, again)
+        self.assertGreater(float(tf.reduce_mean(tf.abs(first - other))), 3.0)
+
+
+class EvalPreprocessingTest(tf.test.TestCase):
+
+    def test_real_photographs_match_pil_decode_and_numpy_centre_crop(self):
+        for path in PHOTOS:
+            with open(path, 'rb') as f:
+                encoded = f.read()
+            ours = preprocessing.preprocess_for_eval(tf.constant(encoded), 224).numpy()
+            # Reference: PIL decodes the whole photo, NumPy crops 87.5% of the shorter side at the centre.
+            pixels = np.asarray(Image.open(path).convert('RGB'))
+            height, width = pixels.shape[:2]
+            side = int(0.875 * min(height, width))
+            top, left = (height - side + 1) // 2, (width - side + 1) // 2
+            crop = pixels[top:top + side, left:left + side].astype(np.float32)
+            resized = tf.image.resize(crop, [224, 224], method='bilinear').numpy()
+            reference = resized
+            difference = np.abs(ours - reference)
+            # Two JPEG decoders may differ by a grey level or two in places (about 0.01-0.03 here).
+            print(f'{os.path.basename(path)}: mean difference {np.mean(difference):.4f}, '
+                  f'largest {np.max(difference):.4f} grey levels')
+            self.assertLess(float(np.mean(difference)), 0.04, path)
+            self.assertLess(float(np.max(difference)), 0.5, path)
+            # And the crop is the centre: shifting the reference by 8 pixels is much further away.
+            shifted = pixels[top:top + side, left + 8:left + 8 + side].astype(np.float32)
+            shifted = tf.image.resize(shifted, [224, 224]).numpy()
+            self.assertGreater(float(np.mean(np.abs(ours - shifted))), 1.0)
+
+
+if __name__ == '__main__':
+    tf.test.main()

@@ -1,0 +1,90 @@
+"""Runs the training command as N MultiWorkerMirroredStrategy workers on this machine (127.0.0.1).
+
+    python tools/run_local_workers.py --num_workers=2 -- --flagfile=flags/demo.cfg --strategy=multi_worker \
+        --model_dir=runs/mw
+
+Each worker is `python -m imagenet_tpu.main ARGS` with its own TF_CONFIG (imagenet_tpu.cluster); output lines
+are prefixed with [worker I]. If one worker fails or is killed, the others are stopped (a collective would
+otherwise wait for it forever) and the exit status is the failed worker's. Running the same command again
+resumes every worker from the chief's last checkpoint.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+from imagenet_tpu import cluster
+
+
+def _forward(stream, prefix):
+    for line in iter(stream.readline, ''):
+        sys.stdout.write(f'{prefix} {line}')
+        sys.stdout.flush()
+
+
+def stop(processes, grace_seconds: float = 10.0) -> None:
+    """SIGTERM to every running process, then SIGKILL to those still running after ``grace_seconds``."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_seconds
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_workers(num_workers: int, args: list, timeout_seconds: float = 0) -> int:
+    """Starts the workers, waits for all; returns 0, or the status of the first that failed (124: timeout)."""
+    workers = cluster.local_workers(num_workers)
+    processes, threads = [], []
+    for index in range(num_workers):
+        environment = dict(os.environ, TF_CONFIG=cluster.tf_config(workers, index))
+        process = subprocess.Popen([sys.executable, '-m', 'imagenet_tpu.main', *args], env=environment,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        thread = threading.Thread(target=_forward, args=(process.stdout, f'[worker {index}]'), daemon=True)
+        thread.start()
+        print(f'worker {index} pid {process.pid} at {workers[index]}', flush=True)
+        processes.append(process)
+        threads.append(thread)
+    deadline = time.time() + timeout_seconds if timeout_seconds else None
+    status = 0
+    while any(process.poll() is None for process in processes):
+        failed = [process for process in processes if process.poll() not in (None, 0)]
+        if failed:
+            status = failed[0].returncode
+            index = processes.index(failed[0])
+            print(f'worker {index} exited with status {status}; stopping the others', flush=True)
+            break
+        if deadline and time.time() > deadline:
+            status = 124
+            print(f'timed out after {timeout_seconds:.0f} s; stopping the workers', flush=True)
+            break
+        time.sleep(0.2)
+    stop(processes)
+    for thread in threads:
+        thread.join(timeout=5)
+    if not status:
+        status = next((process.returncode for process in processes if process.returncode), 0)
+    return 128 - status if status < 0 else status   # killed by signal N: 128 + N, as a shell reports it
+
+
+def main(argv):
+    if len(argv) < 2:
+        print('error: give the training flags after --, e.g. -- --flagfile=flags/demo.cfg --strategy=multi_worker',
+              file=sys.stderr)
+        return 2
+    return run_workers(_NUM_WORKERS.value, argv[1:], _TIMEOUT.value)
+
+
+if __name__ == '__main__':
+    _NUM_WORKERS = flags.DEFINE_integer('num_workers', 2, 'Worker processes to start.')
+    _TIMEOUT = flags.DEFINE_float('timeout', 0, 'Stop every worker after this many seconds (0: no limit).')
+    app.run(main)
