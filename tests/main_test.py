@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from absl import flags
 from absl.testing import flagsaver, parameterized
@@ -33,7 +34,7 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.root = tf.compat.v1.test.get_temp_dir()
+        cls.root = tempfile.mkdtemp(prefix=f'{cls.__name__}-', dir=tf.compat.v1.test.get_temp_dir())
         cls.data_dir = os.path.join(cls.root, 'data')
         helpers.write_dataset(cls.data_dir)
         cls.empty_dir = os.path.join(cls.root, 'empty')

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -66,7 +67,7 @@ class MultiWorkerTest(tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.root = tf.compat.v1.test.get_temp_dir()
+        cls.root = tempfile.mkdtemp(prefix=f'{cls.__name__}-', dir=tf.compat.v1.test.get_temp_dir())
         cls.data_dir = os.path.join(cls.root, 'data')
         helpers.write_dataset(cls.data_dir)
 
