@@ -18,7 +18,7 @@ from absl import app, flags, logging
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import strategy, train
+from imagenet_tpu import input_pipeline, strategy, train
 from imagenet_tpu.config import Config, ConfigError
 
 _DEFAULTS = Config()
@@ -229,6 +229,7 @@ def main(argv):
     tf.get_logger().setLevel('WARNING')
     if len(argv) > 1:
         fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    input_pipeline.limit_malloc_arenas()
     try:
         config = config_from_flags()
         # Logical CPU devices must exist before anything initializes TensorFlow's devices.

@@ -10,8 +10,8 @@ Pipelines, each reading the same files with the same interleave, shuffle, batch 
   tfm    tf-models-official's classification parser (official.vision.dataloaders.classification_input) with
          the same crop range, output size, flip and float32 output (needs tf-models-official; see BUILD.md).
          It also standardizes the pixels, which ours leaves to the network's first layer on the accelerator.
-Each measurement first lets every other pipeline go idle and drains the measured one's prefetched batches, so
-it is the steady rate of that pipeline alone. With one pipeline and one thread count, the last line printed is one JSON object {"pipeline", "images_per_second",
+Each measurement is a fresh iterator (after 4 untimed batches), so no idle pipeline works in the background.
+With one pipeline and one thread count, the last line printed is one JSON object {"pipeline", "images_per_second",
 "threads", "num_images"}; with several, they run alternately (A B C A B C ...) for --rounds rounds, each figure
 is the median over rounds, and the last line is a JSON object with every figure and the ratios to ours.
 --epochs E instead reads E passes over --num_images images and prints images/s and memory after each.
@@ -94,22 +94,23 @@ def build(pipeline: str, config: Config) -> tf.data.Dataset:
     raise ValueError(f'unknown pipeline {pipeline!r}; choose from {", ".join(PIPELINES)}')
 
 
-SETTLE_SECONDS = 1.0     # before each measurement: the idle pipelines finish refilling their prefetch buffers
-DRAIN_BATCHES = 8        # then untimed batches empty the measured pipeline's own buffers
+WARM_UP_BATCHES = 4      # untimed at the start of each measurement: buffers fill, autotuning starts
 
 
-def images_per_second(iterator, batches: int, batch_size: int, settle: bool = True) -> float:
-    """Steady-state images/s of ``batches`` batches: only the measured pipeline is working, and what it had
-    prefetched beforehand is not counted."""
-    if settle:
-        time.sleep(SETTLE_SECONDS)
-        for _ in range(DRAIN_BATCHES):
-            next(iterator)
+def images_per_second(dataset: tf.data.Dataset, batches: int, batch_size: int) -> float:
+    """Images/s of ``batches`` batches from a fresh iterator of ``dataset``, after WARM_UP_BATCHES untimed
+    ones. A fresh iterator per measurement: an idle iterator kept between rounds would go on filling its
+    prefetch buffers while another pipeline is measured, and hand the next measurement a head start."""
+    iterator = iter(dataset)
+    for _ in range(WARM_UP_BATCHES):
+        next(iterator)
     started = time.perf_counter()
     for _ in range(batches):
         images, _ = next(iterator)
     images.numpy()
-    return batches * batch_size / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    del iterator
+    return batches * batch_size / elapsed
 
 
 def run(data_dir: str, pipelines, threads, batch_size: int, image_size: int, num_images: int, rounds: int,
@@ -124,14 +125,12 @@ def run(data_dir: str, pipelines, threads, batch_size: int, image_size: int, num
             except ImportError as error:
                 print_fn(f'skipping {pipeline}: {error} (install the peer extra, see BUILD.md)')
                 continue
-            iterator = iter(dataset)
-            images_per_second(iterator, 2, batch_size, settle=False)   # trace
-            candidates[name] = (pipeline, count, iterator)
+            candidates[name] = (pipeline, count, dataset)
     batches = max(1, num_images // batch_size)
     figures = {name: [] for name in candidates}
     for round_index in range(rounds):
-        for name, (_, _, iterator) in candidates.items():
-            figures[name].append(images_per_second(iterator, batches, batch_size))
+        for name, (_, _, dataset) in candidates.items():
+            figures[name].append(images_per_second(dataset, batches, batch_size))
         print_fn(f'round {round_index + 1}/{rounds}: '
                  + ', '.join(f'{name} {values[-1]:.1f} images/s' for name, values in figures.items()))
     medians = {name: statistics.median(values) for name, values in figures.items()}
@@ -162,7 +161,11 @@ def run_epochs(data_dir: str, pipeline: str, threads: int, batch_size: int, imag
     batches = max(1, num_images // batch_size)
     memory, rates = [], []
     for epoch in range(epochs):
-        rates.append(images_per_second(iterator, batches, batch_size))
+        started = time.perf_counter()
+        for _ in range(batches):
+            images, _ = next(iterator)
+        images.numpy()
+        rates.append(batches * batch_size / (time.perf_counter() - started))
         memory.append(resident_memory_mb())
         print_fn(f'epoch {epoch + 1}/{epochs}: {rates[-1]:.1f} images/s, memory {memory[-1]:,.0f} MiB')
     return {'pipeline': pipeline, 'images_per_second': round(statistics.median(rates), 1), 'threads': threads,
@@ -171,6 +174,7 @@ def run_epochs(data_dir: str, pipeline: str, threads: int, batch_size: int, imag
 
 def main(argv):
     del argv
+    input_pipeline.limit_malloc_arenas()   # as the training command does
     if not tf.io.gfile.glob(os.path.join(_DATA_DIR.value or '', 'train-*-of-*')):
         print(f'error: no train-*-of-* files in --data_dir {_DATA_DIR.value} (make them with '
               'tools/make_benchmark_data.py)', file=sys.stderr)
