@@ -71,23 +71,29 @@ def preprocess_for_train(encoded: tf.Tensor, boxes: tf.Tensor, image_size: int, 
     ``seed`` ([2] integers; default: fresh): the same seed gives the same crop and flip, which is what makes a
     resumed run see exactly the images an uninterrupted one would.
     """
-    seed = random_seed() if seed is None else seed
-    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    crop_seed, flip_seed = _crop_and_flip_seeds(seed)
     window = random_crop_window(encoded, boxes, min_area=min_area, seed=crop_seed)
     image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3, dct_method=DCT_METHOD)
-    if flip:
-        image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-    return _resize(image, image_size, dtype)
+    return _flip_and_resize(image, flip, flip_seed, image_size, dtype)
 
 
 def preprocess_decoded_for_train(image: tf.Tensor, image_size: int, *, min_area: float = 0.08,
                                  flip: bool = True, dtype: tf.DType = tf.float32,
                                  seed: tf.Tensor = None) -> tf.Tensor:
     """preprocess_for_train for an already decoded uint8 image (the decoded-image cache), whole image as box."""
-    seed = random_seed() if seed is None else seed
-    crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    crop_seed, flip_seed = _crop_and_flip_seeds(seed)
     window = sample_crop_window(tf.shape(image), tf.zeros([0, 4]), min_area=min_area, seed=crop_seed)
     image = image[window[0]:window[0] + window[2], window[1]:window[1] + window[3]]
+    return _flip_and_resize(image, flip, flip_seed, image_size, dtype)
+
+
+def _crop_and_flip_seeds(seed):
+    """Two independent seeds from ``seed`` (a fresh one when None): one for the crop, one for the flip."""
+    seed = random_seed() if seed is None else seed
+    return tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+
+
+def _flip_and_resize(image, flip: bool, flip_seed, image_size: int, dtype: tf.DType) -> tf.Tensor:
     if flip:
         image = tf.image.stateless_random_flip_left_right(image, flip_seed)
     return _resize(image, image_size, dtype)

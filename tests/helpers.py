@@ -5,6 +5,7 @@ import, before any test touches a device.
 """
 
 import os
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -12,6 +13,7 @@ import tensorflow as tf
 from imagenet_tpu import strategy, tfrecord
 
 NUM_DEVICES = 8
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def use_eight_cpus() -> None:
@@ -21,6 +23,34 @@ def use_eight_cpus() -> None:
 def mirrored(replicas: int = NUM_DEVICES) -> tf.distribute.MirroredStrategy:
     devices = [device.name for device in tf.config.list_logical_devices('CPU')][:replicas]
     return strategy.mirrored_strategy(devices)
+
+
+def subprocess_environment(**extra) -> dict:
+    """Environment for a child process running this checkout's package and tools (quiet TensorFlow)."""
+    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3', **extra)
+
+
+def class_folder(test_class) -> str:
+    """A new folder for one test class's files, with the small dataset written in its 'data' subfolder.
+
+    tf.test's temporary folder is shared by every test in the process, so classes that write runs under fixed
+    names (model_dir 'killed', ...) need folders of their own."""
+    root = tempfile.mkdtemp(prefix=f'{test_class.__name__}-', dir=tf.compat.v1.test.get_temp_dir())
+    write_dataset(os.path.join(root, 'data'))
+    return root
+
+
+def checkpoint_variables(directory: str) -> dict:
+    """Every variable of the latest checkpoint in ``directory``, by name (network, optimizer, step)."""
+    reader = tf.train.load_checkpoint(directory)
+    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+            if not name.startswith('_CHECKPOINTABLE_OBJECT_GRAPH')}
+
+
+def latest_checkpoint_step(directory: str) -> int:
+    """The step of the latest ckpt-STEP in ``directory``; 0 when there is none."""
+    path = tf.train.latest_checkpoint(directory)
+    return int(path.rsplit('-', 1)[1]) if path else 0
 
 
 def photo_like(height: int, width: int, seed: int) -> np.ndarray:

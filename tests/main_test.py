@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from absl import flags
 from absl.testing import flagsaver, parameterized
@@ -17,14 +16,14 @@ from imagenet_tpu import main, schedules, train
 
 helpers.use_eight_cpus()
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = helpers.REPO
 SMALL = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
          '--global_batch_size=16', '--eval_batch_size=16', '--train_epochs=1', '--strategy=cpu']
 
 
 def run_main(*args):
-    environment = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
-    process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.main', *args], cwd=REPO, env=environment,
+    process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.main', *args], cwd=REPO,
+                             env=helpers.subprocess_environment(),
                              capture_output=True, text=True, timeout=300)
     return process.returncode, process.stderr
 
@@ -34,9 +33,8 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.root = tempfile.mkdtemp(prefix=f'{cls.__name__}-', dir=tf.compat.v1.test.get_temp_dir())
+        cls.root = helpers.class_folder(cls)
         cls.data_dir = os.path.join(cls.root, 'data')
-        helpers.write_dataset(cls.data_dir)
         cls.empty_dir = os.path.join(cls.root, 'empty')
         os.makedirs(cls.empty_dir, exist_ok=True)
         cls.train_only_dir = os.path.join(cls.root, 'train_only')
@@ -97,12 +95,11 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         data_dir = os.path.join(self.root, 'bad_records')
         bad_records_test.write_bad_dataset(data_dir)
         model_dir = os.path.join(self.root, 'bad_records_run')
-        environment = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
         process = subprocess.run(
             [sys.executable, '-m', 'imagenet_tpu.main', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
              '--depth=18', '--image_size=16', '--num_classes=16', '--num_train_images=16', '--num_eval_images=16',
              '--global_batch_size=8', '--eval_batch_size=8', '--train_epochs=2', '--strategy=cpu',
-             '--num_cpu_devices=2'], cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)
+             '--num_cpu_devices=2'], cwd=REPO, env=helpers.subprocess_environment(), capture_output=True, text=True, timeout=300)
         self.assertEqual(process.returncode, 0, process.stderr[-3000:])
         self.assertRegex(process.stdout, r'input: skipped \d+ bad records so far .* and \d+ truncated files')
         with open(os.path.join(model_dir, 'results.json')) as f:

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -17,7 +16,7 @@ import tensorflow as tf
 import helpers
 from imagenet_tpu import cluster
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = helpers.REPO
 RUN = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
        '--global_batch_size=8', '--eval_batch_size=8', '--strategy=multi_worker', '--checkpoint_every_steps=4',
        '--seed=1', '--log_every_steps=1', '--eval_every_epochs=100', '--deterministic']
@@ -31,13 +30,7 @@ def launcher(data_dir, model_dir, steps):
 
 
 def environment():
-    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
-
-
-def weights(directory) -> dict:
-    reader = tf.train.load_checkpoint(directory)
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith('_CHECKPOINTABLE_OBJECT_GRAPH')}
+    return helpers.subprocess_environment()
 
 
 def errors(output: str) -> str:
@@ -46,9 +39,7 @@ def errors(output: str) -> str:
     return '\n'.join(lines[:10]) + '\n...\n' + output[-2000:]
 
 
-def latest_step(directory) -> int:
-    path = tf.train.latest_checkpoint(directory)
-    return int(path.rsplit('-', 1)[1]) if path else 0
+latest_step = helpers.latest_checkpoint_step
 
 
 class ClusterTest(tf.test.TestCase):
@@ -67,16 +58,15 @@ class MultiWorkerTest(tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.root = tempfile.mkdtemp(prefix=f'{cls.__name__}-', dir=tf.compat.v1.test.get_temp_dir())
+        cls.root = helpers.class_folder(cls)
         cls.data_dir = os.path.join(cls.root, 'data')
-        helpers.write_dataset(cls.data_dir)
 
     def assert_workers_agree(self, model_dir, steps):
         chief = os.path.join(model_dir, 'checkpoints')
         other = os.path.join(model_dir, 'workers', 'worker-1', 'checkpoints')
         self.assertEqual(latest_step(chief), steps)
         self.assertEqual(latest_step(other), steps)
-        first, second = weights(chief), weights(other)
+        first, second = helpers.checkpoint_variables(chief), helpers.checkpoint_variables(other)
         self.assertEqual(sorted(first), sorted(second))
         for name in first:
             self.assertAllEqual(first[name], second[name], msg=name)

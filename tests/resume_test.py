@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = helpers.REPO
 STEPS = 60      # 10 epochs of 6 steps
 RUN = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
        '--global_batch_size=8', '--eval_batch_size=8', f'--total_steps={STEPS}', '--strategy=cpu',
@@ -38,7 +37,7 @@ def command(data_dir, model_dir):
 
 
 def environment():
-    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3', PYTHONUNBUFFERED='1')
+    return helpers.subprocess_environment(PYTHONUNBUFFERED='1')
 
 
 def run(data_dir, model_dir):
@@ -54,8 +53,7 @@ def start(data_dir, model_dir, log_path):
 
 
 def latest_step(model_dir) -> int:
-    path = tf.train.latest_checkpoint(os.path.join(model_dir, 'checkpoints'))
-    return int(path.rsplit('-', 1)[1]) if path else 0
+    return helpers.latest_checkpoint_step(os.path.join(model_dir, 'checkpoints'))
 
 
 def wait_for_checkpoint(process, model_dir, step):
@@ -69,9 +67,7 @@ def wait_for_checkpoint(process, model_dir, step):
 
 def final_weights(model_dir) -> dict:
     """Every variable of the last checkpoint (network, BN statistics, optimizer slots and step)."""
-    reader = tf.train.load_checkpoint(os.path.join(model_dir, 'checkpoints'))
-    return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
-            if not name.startswith('_CHECKPOINTABLE_OBJECT_GRAPH')}
+    return helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
 
 
 def steps_printed(log_text) -> list:
@@ -83,9 +79,8 @@ class ResumeTest(tf.test.TestCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.root = tempfile.mkdtemp(prefix=f'{cls.__name__}-', dir=tf.compat.v1.test.get_temp_dir())
+        cls.root = helpers.class_folder(cls)
         cls.data_dir = os.path.join(cls.root, 'data')
-        helpers.write_dataset(cls.data_dir)
         cls.reference_dir = os.path.join(cls.root, 'uninterrupted')
         code, cls.reference_out, stderr = run(cls.data_dir, cls.reference_dir)
         assert code == 0, stderr[-3000:]

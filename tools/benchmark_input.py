@@ -17,6 +17,7 @@ is the median over rounds, and the last line is a JSON object with every figure 
 --epochs E instead reads E passes over --num_images images and prints images/s and memory after each.
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -41,14 +42,12 @@ def make_config(data_dir: str, batch_size: int, image_size: int, threads: int) -
 
 
 def _plain_records(config: Config) -> tf.data.Dataset:
-    """The peers' reader: the same interleave and shuffle as ours, without our bad-record accounting."""
+    """The peers' reader: our interleave (input_pipeline.read_records) without the bad-record accounting of
+    bad_records='skip', repeated, then the same shuffle."""
     paths = input_pipeline.list_shards(config.data_dir, tfrecord.TRAIN)
-    files = tf.data.Dataset.from_tensor_slices(paths).shuffle(len(paths), seed=0).repeat()
-    records = files.interleave(
-        lambda path: tf.data.TFRecordDataset(path, buffer_size=int(config.read_buffer_mb * 2 ** 20)),
-        cycle_length=min(config.interleave_cycle_length, len(paths)), block_length=config.interleave_block_length,
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
-    return records.shuffle(config.shuffle_buffer, seed=0)
+    records = input_pipeline.read_records(paths, input_pipeline.file_sizes(paths),
+                                          dataclasses.replace(config, bad_records='fatal'), deterministic=False)
+    return records.repeat().shuffle(config.shuffle_buffer, seed=0)
 
 
 def _batched(examples: tf.data.Dataset, config: Config) -> tf.data.Dataset:
