@@ -65,9 +65,10 @@ class GroupBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
             layer.beta.assign(self.beta)
         return layer
 
-    @parameterized.parameters(1, 2, 4, 8)
-    def test_matches_numpy_over_each_group(self, group_size):
-        strategy = helpers.mirrored(REPLICAS)
+    @parameterized.parameters((1, False), (2, False), (4, False), (8, False), (2, True), (8, True))
+    def test_matches_numpy_over_each_group(self, group_size, collective_ops):
+        # collective_ops: TensorFlow's ring collectives (multi-worker's) instead of reductions on one device.
+        strategy = helpers.mirrored(REPLICAS, collective_ops)
         layer = self.make_layer(strategy, group_size=group_size)
         y, dx, moving_mean, moving_variance = run_layer(layer, self.x, self.upstream, strategy)
         for group in collectives.group_assignment(REPLICAS, group_size):

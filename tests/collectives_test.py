@@ -52,8 +52,10 @@ class GroupedAllReduceTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(
         (1, None), (2, None), (4, None), (8, None), (4, (2, 2)), (2, (2, 2)),
+        (2, None, True), (8, None, True), (4, (2, 2), True),
     )
-    def test_sum_over_own_group_and_its_gradient(self, group_size, mesh):
+    def test_sum_over_own_group_and_its_gradient(self, group_size, mesh, traced=False):
+        # traced: inside a tf.function, where the gradient is built as a graph (as in training).
         strategy = helpers.mirrored(8)
         values = np.random.default_rng(group_size).normal(size=(8, 3)).astype(np.float32)
         weights = np.random.default_rng(99).normal(size=(8, 3)).astype(np.float32)
@@ -69,7 +71,8 @@ class GroupedAllReduceTest(tf.test.TestCase, parameterized.TestCase):
                 loss = tf.reduce_sum(summed * weight)
             return summed, tape.gradient(loss, value)
 
-        summed, gradient = strategy.run(step, args=(per_replica,))
+        run = lambda inputs: strategy.run(step, args=(inputs,))
+        summed, gradient = (tf.function(run) if traced else run)(per_replica)
         summed = np.stack([t.numpy() for t in strategy.experimental_local_results(summed)])
         gradient = np.stack([t.numpy() for t in strategy.experimental_local_results(gradient)])
         groups = collectives.group_assignment(8, group_size, mesh)

@@ -20,7 +20,11 @@ def use_eight_cpus() -> None:
     strategy.use_logical_cpus(NUM_DEVICES)
 
 
-def mirrored(replicas: int = NUM_DEVICES) -> tf.distribute.MirroredStrategy:
+def mirrored(replicas: int = NUM_DEVICES, collective_ops: bool = False) -> tf.distribute.MirroredStrategy:
+    """The --strategy=cpu strategy over ``replicas`` logical devices (reductions on one device), or with
+    ``collective_ops`` TensorFlow's default for CPU devices: ring collectives, as MultiWorkerMirroredStrategy uses."""
+    if not collective_ops:
+        return strategy.cpu_strategy(replicas)
     devices = [device.name for device in tf.config.list_logical_devices('CPU')][:replicas]
     return strategy.mirrored_strategy(devices)
 

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import step_timing  # pylint: disable=wrong-import-position
@@ -54,6 +54,7 @@ def build(variant: str, depth: int, image_size: int, batch: int, mesh):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)   # ReductionToOneDevice logs every reduction it builds at INFO
     f = flags.FLAGS
     from imagenet_tpu import strategy as strategy_lib
     strategy_lib.use_logical_cpus(f.replicas)

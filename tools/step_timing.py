@@ -17,7 +17,12 @@ def warm_up(classifier, iterator, steps: int = 2) -> None:
 
 
 def time_rounds(runners: dict, steps: int, rounds: int, print_fn=print) -> dict:
-    """runners: {name: (compiled classifier, iterator)} -> {name: [seconds per step in each round]}."""
+    """runners: {name: (compiled classifier, iterator)} -> {name: [seconds per step in each round]}.
+
+    One untimed round first: the first calls after every candidate has been traced were up to 18x slower than
+    the rest here (ResNet-50 on 8 logical devices), whatever their order."""
+    for classifier, iterator in runners.values():
+        float(classifier.train_function(iterator)['loss'])
     times = {name: [] for name in runners}
     for round_index in range(rounds):
         for name, (classifier, iterator) in runners.items():
