@@ -8,6 +8,7 @@ files and batching at the per-replica batch size. Without a strategy, pass no co
 import ctypes
 import dataclasses
 import os
+import re
 from typing import Optional, Tuple
 
 import tensorflow as tf
@@ -66,6 +67,27 @@ def file_sizes(paths: list) -> list:
     return sizes
 
 
+# What a runtime error from the input says, in the words of TensorFlow's kernels (first match wins).
+_ERROR_PATTERNS = (
+    r'assertion failed: \[([^\]]*)\]',                  # tfrecord.to_model_label: label out of range
+    r'((?:truncated|corrupted) record at \d+)',         # a TFRecord file cut or damaged
+    r'(Feature: \S+ \(data type: \w+\) is required but could not be found)',   # missing feature
+    r'((?:Invalid JPEG data|Unknown image file format|jpeg)[^\n\[]*)',           # a JPEG that does not decode
+)
+
+
+def summarize_graph_error(message: str) -> str:
+    """The line of a TensorFlow runtime error that says what went wrong (not the stack of graph nodes)."""
+    for pattern in _ERROR_PATTERNS:
+        found = re.search(pattern, message)
+        if found:
+            return found.group(1).strip()
+    lines = [line.strip() for line in message.splitlines()
+             if line.strip() and not line.startswith((' ', '\t')) and 'Graph execution error' not in line
+             and 'derived errors ignored' not in line and not line.startswith('Detected at node')]
+    return lines[-1] if lines else message.strip()
+
+
 def check_labels(path: str, config: Config, records: int = 64) -> None:
     """Reads the first ``records`` labels of a shard and fails at start if any is outside the model's range
     (a wrong --num_classes or --label_offset, rather than a bad record). Records that cannot be read are left
@@ -79,11 +101,13 @@ def check_labels(path: str, config: Config, records: int = 64) -> None:
             return
         except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
             if config.bad_records == 'fatal':
-                first_line = error.message.strip().splitlines()[0]
-                raise ConfigError(f'{path}: record {index} cannot be read ({first_line})') from None
+                raise ConfigError(f'bad input record: {path}: record {index} cannot be read '
+                                  f'({summarize_graph_error(error.message)})') from None
             if isinstance(error, tf.errors.DataLossError):
                 return
             continue
+        except tf.errors.OpError as error:     # a file that cannot be opened (a dangling link, permissions)
+            raise ConfigError(f'cannot read {path} ({type(error).__name__})') from None
         if not low <= label < high:
             raise ConfigError(
                 f'{path}: on-disk label {label} is outside [{low}, {high}) given --num_classes={config.num_classes}'

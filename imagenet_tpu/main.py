@@ -9,7 +9,6 @@ SIGTERM during training saves a checkpoint and exits with status 143 (run the sa
 
 import functools
 import os
-import re
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # keep TensorFlow's C++ start-up chatter out of the progress
@@ -250,28 +249,7 @@ def main(argv):
     except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
         # Raised inside the input pipeline with --bad_records=fatal: a corrupt JPEG, a label outside the
         # range (tfrecord.to_model_label), a missing feature, a TFRecord file cut mid-record.
-        fail(f'bad input record: {summarize_graph_error(error.message)}')
-
-
-# What a runtime error from the input says, in the words of TensorFlow's kernels (first match wins).
-_ERROR_PATTERNS = (
-    r'assertion failed: \[([^\]]*)\]',                  # tfrecord.to_model_label: label out of range
-    r'((?:truncated|corrupted) record at \d+)',         # a TFRecord file cut or damaged
-    r'(Feature: \S+ \(data type: \w+\) is required but could not be found)',   # missing feature
-    r'((?:Invalid JPEG data|Unknown image file format|jpeg)[^\n\[]*)',           # a JPEG that does not decode
-)
-
-
-def summarize_graph_error(message: str) -> str:
-    """The line of a TensorFlow runtime error that says what went wrong (not the stack of graph nodes)."""
-    for pattern in _ERROR_PATTERNS:
-        found = re.search(pattern, message)
-        if found:
-            return found.group(1).strip()
-    lines = [line.strip() for line in message.splitlines()
-             if line.strip() and not line.startswith((' ', '\t')) and 'Graph execution error' not in line
-             and 'derived errors ignored' not in line and not line.startswith('Detected at node')]
-    return lines[-1] if lines else message.strip()
+        fail(f'bad input record: {input_pipeline.summarize_graph_error(error.message)}')
 
 
 def run():

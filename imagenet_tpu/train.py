@@ -262,10 +262,16 @@ def build_eval_dataset(config: Config, strategy: tf.distribute.Strategy,
         _input_options(config))
 
 
+LABEL_CHECK_SHARDS = 8
+
+
 def check_data(config: Config) -> None:
-    """Fails at start when a split has no files, or its first labels are outside the model's range."""
+    """Fails at start when a split has no files, or the first labels of its first LABEL_CHECK_SHARDS shards
+    (64 records each: ~56 MB of ImageNet) are outside the model's range. Shards written class by class hold
+    few classes each, so one shard alone rarely shows a wrong --num_classes."""
     for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
-        input_pipeline.check_labels(input_pipeline.list_shards(config.data_dir, split)[0], config)
+        for path in input_pipeline.list_shards(config.data_dir, split)[:LABEL_CHECK_SHARDS]:
+            input_pipeline.check_labels(path, config)
 
 
 def build_datasets(config: Config, strategy: tf.distribute.Strategy, synthetic: bool = False,

@@ -80,8 +80,8 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         ('model_dir_not_writable', lambda c: ['--data_dir=' + c.data_dir, '--model_dir=' + c.a_file + '/run'],
          'is not writable'),
         ('label_outside_classes', lambda c: ['--data_dir=' + c.data_dir, '--num_classes=3', '--bad_records=fatal'],
-         # Caught at start (first records of the first shards) or, as here, inside the pipeline.
-         r'label (out of range: expected on-disk labels in|4 is outside) \[1, 4\)'),
+         # Caught at start: the first records of the first 8 shards (here shard 3 holds the label 4).
+         r'label 4 is outside \[1, 4\)'),
         ('truncated_tfrecord_fatal', lambda c: ['--data_dir=' + c.truncated_dir, '--bad_records=fatal'],
          'bad input record: .*(truncated|corrupted) record'),
         ('unreadable_file', lambda c: ['--data_dir=' + c.unreadable_dir], 'cannot read .*train-00001-of-00004'),
