@@ -241,7 +241,7 @@ def main(argv):
         # Flushed lines: progress reaches a log file or pipe as it happens, and survives a kill.
         train.train_and_evaluate(config, synthetic=_SYNTHETIC_DATA.value,
                                  print_fn=functools.partial(print, flush=True))
-    except (ConfigError, train.TrainingDiverged) as error:
+    except (ConfigError, train.TrainingDiverged, train.InputEnded) as error:
         fail(str(error))
     except train.Preempted as error:
         print(str(error), file=sys.stderr)

@@ -354,6 +354,10 @@ class Progress(keras.callbacks.Callback):
         self.print_fn(line)
 
 
+class InputEnded(RuntimeError):
+    """The training stream, which is endless, ended before the last step of a fit call."""
+
+
 class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite; main.py reports it as a one-line error."""
 
@@ -659,15 +663,29 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
         step = int(classifier.optimizer.iterations.numpy())
         if step != start_step:   # a later fit call: the stream must continue where the last one stopped
             train_data = build_train_dataset(config, strategy, synthetic, step, skip_counts)
-        history = classifier.fit(
-            train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
-            steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
-            validation_data=eval_data if validate else None, validation_steps=eval_steps,
-            validation_freq=config.eval_every_epochs if validate else 1)
+        planned = step + (segment.epochs - segment.initial_epoch) * segment.steps_per_epoch
+        try:
+            history = classifier.fit(
+                train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
+                steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
+                validation_data=eval_data if validate else None, validation_steps=eval_steps,
+                validation_freq=config.eval_every_epochs if validate else 1)
+        except ValueError as error:   # Keras, when the input ends before the first step: "... (Empty logs)"
+            if 'Empty logs' not in str(error):
+                raise
+            history = None
         if sigterm and sigterm.saved_step is not None:
             raise Preempted(f'stopped by SIGTERM at step {sigterm.saved_step} after saving it; run the same '
                             'command again to continue')
-        if history.history.get('loss'):
+        reached = int(classifier.optimizer.iterations.numpy())
+        if reached < planned:
+            # Keras stops a fit call quietly ("Your input ran out of data") when its input ends; ours never
+            # should. Seen once in ~10 runs: a bad record under --bad_records=fatal, reported by the distributed
+            # iterator as the end of the data instead of as the error.
+            raise InputEnded(f'the training input ended at step {reached} of {planned} (it is endless, so an '
+                             'input error ended it; with --bad_records=fatal that can be a bad record: '
+                             '--bad_records=skip skips and counts them)')
+        if history and history.history.get('loss'):
             train_loss = history.history['loss'][-1]
             images_per_second = history.history['images_per_second'][-1]
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+from unittest import mock
 
 from absl.testing import parameterized
 import numpy as np
@@ -9,7 +10,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
-from imagenet_tpu import regularization, schedules, train
+from imagenet_tpu import input_pipeline, regularization, schedules, train
 from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
@@ -193,6 +194,19 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         saved = [int(path.rsplit('-', 1)[1]) for path in manager.checkpoints]
         self.assertNotIn(step, saved)
         self.assertTrue(all(s < step for s in saved))
+
+    def test_input_that_ends_early_stops_the_run_instead_of_shortening_it(self):
+        # Keras ends a fit call quietly when its input ends; the training stream is endless, so an end means an
+        # input error that the distributed iterator reported as the end of the data. 4 per-replica batches are
+        # 2 steps on 2 replicas; with none at all Keras raises its own "Empty logs" error (TF 2.20's distributed
+        # iterator was seen to count one optimizer step even then).
+        original = input_pipeline.train_dataset
+        for steps, message in ((4, 'ended at step 2 of 3'), (0, 'ended at step [01] of 3')):
+            config = dataclasses.replace(self.config, model_dir=os.path.join(self.get_temp_dir(), f'ended{steps}'))
+            with mock.patch.object(input_pipeline, 'train_dataset',
+                                   lambda *args, **kwargs: original(*args, **kwargs).take(steps)):
+                with self.assertRaisesRegex(train.InputEnded, message):
+                    train.train_and_evaluate(config, helpers.mirrored(2), print_fn=lambda line: None)
 
     def test_resuming_a_different_model_is_refused_by_name(self):
         train.check_model_settings(self.config, self.config.model_dir)
