@@ -7,6 +7,7 @@ the training step: cross-entropy with label smoothing, averaged over the global 
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -358,6 +359,30 @@ class InputEnded(RuntimeError):
     """The training stream, which is endless, ended before the last step of a fit call."""
 
 
+class _InputRanOut(logging.Filter):
+    """Notes Keras's "Your input ran out of data" warning, its only sign that a fit call's input ended: the step
+    counter cannot tell (when the error surfaces late, the calls in between still count steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if 'ran out of data' in record.getMessage():
+            self.seen = True
+        return True
+
+
+@contextlib.contextmanager
+def _watch_input_end():
+    watcher = _InputRanOut()
+    tf.get_logger().addFilter(watcher)
+    try:
+        yield watcher
+    finally:
+        tf.get_logger().removeFilter(watcher)
+
+
 class TrainingDiverged(RuntimeError):
     """The training loss became NaN or infinite; main.py reports it as a one-line error."""
 
@@ -664,27 +689,29 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
         if step != start_step:   # a later fit call: the stream must continue where the last one stopped
             train_data = build_train_dataset(config, strategy, synthetic, step, skip_counts)
         planned = step + (segment.epochs - segment.initial_epoch) * segment.steps_per_epoch
-        try:
-            history = classifier.fit(
-                train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
-                steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
-                validation_data=eval_data if validate else None, validation_steps=eval_steps,
-                validation_freq=config.eval_every_epochs if validate else 1)
-        except ValueError as error:   # Keras, when the input ends before the first step: "... (Empty logs)"
-            if 'Empty logs' not in str(error):
-                raise
-            history = None
+        with _watch_input_end() as input_end:
+            try:
+                history = classifier.fit(
+                    train_data, initial_epoch=segment.initial_epoch, epochs=segment.epochs,
+                    steps_per_epoch=segment.steps_per_epoch, callbacks=callbacks, verbose=0,
+                    validation_data=eval_data if validate else None, validation_steps=eval_steps,
+                    validation_freq=config.eval_every_epochs if validate else 1)
+            except ValueError as error:   # Keras, when the input ends before the first step: "(Empty logs)"
+                if 'Empty logs' not in str(error):
+                    raise
+                history = None
         if sigterm and sigterm.saved_step is not None:
             raise Preempted(f'stopped by SIGTERM at step {sigterm.saved_step} after saving it; run the same '
                             'command again to continue')
         reached = int(classifier.optimizer.iterations.numpy())
-        if reached < planned:
+        if reached < planned or input_end.seen:
             # Keras stops a fit call quietly ("Your input ran out of data") when its input ends; ours never
             # should. Seen once in ~10 runs: a bad record under --bad_records=fatal, reported by the distributed
             # iterator as the end of the data instead of as the error.
-            raise InputEnded(f'the training input ended at step {reached} of {planned} (it is endless, so an '
-                             'input error ended it; with --bad_records=fatal that can be a bad record: '
-                             '--bad_records=skip skips and counts them)')
+            raise InputEnded(f'the training input ended early (this fit call was to reach step {planned}; the '
+                             f'step counter is at {reached}); the stream is endless, so an input error ended it. '
+                             'With --bad_records=fatal that can be a bad record: --bad_records=skip skips and '
+                             'counts them')
         if history and history.history.get('loss'):
             train_loss = history.history['loss'][-1]
             images_per_second = history.history['images_per_second'][-1]

@@ -198,10 +198,11 @@ class TrainAndEvaluateTest(tf.test.TestCase):
     def test_input_that_ends_early_stops_the_run_instead_of_shortening_it(self):
         # Keras ends a fit call quietly when its input ends; the training stream is endless, so an end means an
         # input error that the distributed iterator reported as the end of the data. 4 per-replica batches are
-        # 2 steps on 2 replicas; with none at all Keras raises its own "Empty logs" error (TF 2.20's distributed
-        # iterator was seen to count one optimizer step even then).
+        # 2 steps on 2 replicas; with none at all Keras raises its own "Empty logs" error. (The step counter is
+        # no proof: with no data at all it was seen at 1, and in one CI run it reached the planned 3.)
         original = input_pipeline.train_dataset
-        for steps, message in ((4, 'ended at step 2 of 3'), (0, 'ended at step [01] of 3')):
+        for steps in (4, 0):
+            message = r'input ended early \(this fit call was to reach step 3; the step counter is at \d\)'
             config = dataclasses.replace(self.config, model_dir=os.path.join(self.get_temp_dir(), f'ended{steps}'))
             with mock.patch.object(input_pipeline, 'train_dataset',
                                    lambda *args, **kwargs: original(*args, **kwargs).take(steps)):
