@@ -135,7 +135,6 @@ def reestimate_statistics(network: keras.Model, batches, steps: int,
             inputs = probe(images, training=True)
             inputs = inputs if isinstance(inputs, (list, tuple)) else [inputs]
             local = [_local_sums(x, list(range(len(x.shape) - 1))) for x in inputs]
-            context = tf.distribute.get_replica_context()
             return [collectives.replica_sum(s) for s in local]
         per_replica = strategy.run(replica_sums, args=(batch[0],))
         return [strategy.experimental_local_results(s)[0] for s in per_replica]
