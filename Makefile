@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test clean
+.PHONY: demo test test-fast peer benchmark-trainer clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The fast tier: every module, without the tests marked slow (real training processes, 8-replica traces).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow' tests
+
+# tf-models-official, our peer in benchmarks, in an environment of its own (it pins other versions: BUILD.md).
+PEER := .venv-peer
+$(PEER)/.installed:
+	$(PYTHON) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER)/bin/python -m pip install --quiet 'tf-models-official==2.20.0'
+	$(PEER)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+peer: $(PEER)/.installed
+
+# Our command line against tf-models-official's trainer, alternating, on ImageNet-like records (BUILD.md).
+benchmark-trainer: $(STAMP) $(PEER)/.installed
+	test -d data/benchmark || $(BIN)/python tools/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
+	$(BIN)/python tools/benchmark_trainer.py --data_dir data/benchmark --peer_python $(PEER)/bin/python
+
 clean:
-	rm -rf $(VENV) data/demo runs/demo
+	rm -rf $(VENV) $(PEER) data/demo runs/demo

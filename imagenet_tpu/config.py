@@ -40,7 +40,7 @@ class Config:
     prefetch_to_device: int = 2             # batches buffered on each replica's device
 
     # Model.
-    depth: int = 50                         # ResNet depth: 18, 34, 50, 101, 152 or 200
+    depth: int = 50                         # ResNet depth: 10, 18, 34, 50, 101, 152 or 200
     norm: str = 'batch_norm'                # 'batch_norm' or 'none' (no normalization layers)
     space_to_depth: bool = False            # MLPerf v0.7 TPU stem: 2x2 space-to-depth input, 4x4 stride-1 conv
     precision: str = 'float32'              # 'float32', 'mixed_bfloat16' (TPU, recent CPUs) or 'mixed_float16' (GPU)

@@ -5,7 +5,6 @@ Each function that builds a dataset takes a tf.distribute.InputContext, so that
 files and batching at the per-replica batch size. Without a strategy, pass no context.
 """
 
-import ctypes
 import dataclasses
 import os
 import re
@@ -21,23 +20,6 @@ RECORD_OVERHEAD_BYTES = 16        # a TFRecord frames each record with length (8
 
 # Kinds of element in the file-reading stream (see _read_file).
 _RECORD, _FILE_END, _FILE_TRUNCATED = 0, 1, 2
-
-
-def limit_malloc_arenas(count: int = 2) -> bool:
-    """Caps glibc's malloc arenas at ``count`` for this process (call it first thing, before threads start).
-
-    Each data epoch of train_dataset starts new tf.data worker threads; glibc gives threads their own arenas
-    (up to 8 per core) and keeps what they freed, so resident memory climbed by about 90 MiB per epoch of the
-    benchmark set (921 -> 1,757 MiB over 10 epochs) with nothing leaked; with 2 arenas it holds at 1.08-1.09
-    GiB at the same speed. Returns whether the cap was set (False off glibc)."""
-    try:
-        libc = ctypes.CDLL('libc.so.6')
-        return bool(libc.mallopt(_M_ARENA_MAX, count))
-    except (OSError, AttributeError):
-        return False
-
-
-_M_ARENA_MAX = -8   # glibc's malloc.h
 
 
 def list_shards(data_dir: Optional[str], split: str) -> list:

@@ -13,11 +13,13 @@ import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # keep TensorFlow's C++ start-up chatter out of the progress
 
-from absl import app, flags, logging
-import tensorflow as tf
-import tf_keras as keras
+from imagenet_tpu import runtime  # first: sets oneDNN before TensorFlow is imported (runtime.py)
 
-from imagenet_tpu import input_pipeline, strategy, train
+tf = runtime.import_tensorflow()
+from absl import app, flags, logging  # noqa: E402
+import tf_keras as keras  # noqa: E402
+
+from imagenet_tpu import input_pipeline, strategy, train  # noqa: E402
 from imagenet_tpu.config import Config, ConfigError
 
 _DEFAULTS = Config()
@@ -63,7 +65,8 @@ _DETERMINISTIC = flags.DEFINE_bool('deterministic', False,
                                    '(slower input on slow file systems).')
 
 # Model.
-_DEPTH = flags.DEFINE_enum('depth', str(_DEFAULTS.depth), ['18', '34', '50', '101', '152', '200'], 'ResNet depth.')
+_DEPTH = flags.DEFINE_enum('depth', str(_DEFAULTS.depth), ['10', '18', '34', '50', '101', '152', '200'],
+                            'ResNet depth.')
 _NORM = flags.DEFINE_enum('norm', _DEFAULTS.norm, ['batch_norm', 'none'], 'Normalization layers.')
 _SPACE_TO_DEPTH = flags.DEFINE_bool('space_to_depth', False, "MLPerf v0.7's TPU stem: 2x2 space-to-depth images "
                                     'and a 4x4 stride-1 convolution, exactly equivalent to the 7x7 stride-2 one.')
@@ -228,7 +231,7 @@ def main(argv):
     tf.get_logger().setLevel('WARNING')
     if len(argv) > 1:
         fail(f'unexpected arguments: {" ".join(argv[1:])}')
-    input_pipeline.limit_malloc_arenas()
+    runtime.limit_malloc_arenas()
     try:
         config = config_from_flags()
         # Logical CPU devices must exist before anything initializes TensorFlow's devices.

@@ -1,4 +1,4 @@
-"""Keras ResNet v1.5 (He et al. 2016, with the stride on the 3x3 convolution), depths 18 to 200.
+"""Keras ResNet v1.5 (He et al. 2016, with the stride on the 3x3 convolution), depths 10 to 200.
 
 The normalization layer is passed in as a factory, so the same network runs with Keras batch norm, replica-group
 batch norm or none at all. The last normalization of every residual branch starts with gamma = 0, so each block
@@ -16,6 +16,7 @@ import tf_keras as keras
 
 # depth -> (block kind, blocks per stage)
 DEPTHS = {
+    10: ('basic', (1, 1, 1, 1)),    # the smallest of the family: quick tests and demos
     18: ('basic', (2, 2, 2, 2)),
     34: ('basic', (3, 4, 6, 3)),
     50: ('bottleneck', (3, 4, 6, 3)),

@@ -291,6 +291,17 @@ def format_duration(seconds: float) -> str:
     return f'{hours}h{rest // 60:02d}m' if hours else f'{rest // 60}m{rest % 60:02d}s'
 
 
+def significant(value: float, digits: int = 3) -> str:
+    """``value`` rounded to ``digits`` significant figures, with thousands separators: 11.24 -> '11.2',
+    532.6 -> '533', 12345 -> '12,300'."""
+    if not math.isfinite(value) or value == 0:
+        return f'{value:g}'
+    decimals = digits - 1 - math.floor(math.log10(abs(value)))
+    rounded = round(value, decimals)
+    decimals = digits - 1 - math.floor(math.log10(abs(rounded)))   # 9.996 -> 10.0, not 10.00
+    return f'{round(rounded, decimals):,.{max(decimals, 0)}f}'
+
+
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
     rate = optimizer.learning_rate
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
@@ -330,7 +341,7 @@ class Progress(keras.callbacks.Callback):
         step = self._step()
         eta = (self.total_steps - step) * self.global_batch_size / max(images_per_second, 1e-9)
         return (f'epoch {epoch + 1} step {step}/{self.total_steps} loss {logs.get("loss", float("nan")):.4f} '
-                f'top-1 {100 * logs.get("top_1", float("nan")):.2f}% {images_per_second:,.0f} images/s '
+                f'top-1 {100 * logs.get("top_1", float("nan")):.2f}% {significant(images_per_second)} images/s '
                 f'ETA {format_duration(eta)}')
 
     def on_train_batch_end(self, batch, logs=None):

@@ -4,6 +4,7 @@ import dataclasses
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_keras as keras
@@ -59,6 +60,7 @@ class AllReduce2DTest(tf.test.TestCase, parameterized.TestCase):
             strategy.run(lambda: collectives.all_reduce_2d([tf.ones([2])], (3, 3)))
 
 
+@pytest.mark.slow
 class TrainWith2DAllReduceTest(tf.test.TestCase):
 
     def test_three_steps_equal_the_default_all_reduce(self):

@@ -1,4 +1,12 @@
-"""pytest hooks for the tf.test suite."""
+"""pytest hooks for the tf.test suite.
+
+imagenet_tpu is imported before any test module imports TensorFlow, so the suite runs with the package's oneDNN
+setting (imagenet_tpu/runtime.py), as the command line does.
+"""
+
+from imagenet_tpu import runtime
+
+runtime.import_tensorflow()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as keras
 
@@ -28,6 +29,7 @@ class GroupSizeSettingTest(tf.test.TestCase):
             Config(global_batch_size=64, bn_span=20).bn_group_size_for(8)
 
 
+@pytest.mark.slow
 class SynchronizedTrainingTest(tf.test.TestCase):
 
     def test_synchronized_groups_on_8_replicas_equal_one_device(self):
@@ -39,11 +41,11 @@ class SynchronizedTrainingTest(tf.test.TestCase):
         dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(16)
         norm = batch_norm.group_batch_norm_factory(group_size=8, momentum=0.9, epsilon=1e-5)
         keras.utils.set_random_seed(0)
-        initial = resnet.resnet(18, 10, image_size=16, norm=norm).get_weights()
+        initial = resnet.resnet(10, 10, image_size=16, norm=norm).get_weights()
 
         def run(strategy):
             with strategy.scope():
-                network = resnet.resnet(18, 10, image_size=16, norm=norm)
+                network = resnet.resnet(10, 10, image_size=16, norm=norm)
                 network.set_weights(initial)
                 classifier = train.Classifier(network, global_batch_size=16, weight_decay=1e-4)
                 classifier.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
@@ -56,13 +58,14 @@ class SynchronizedTrainingTest(tf.test.TestCase):
             self.assertAllClose(a, b, atol=2e-5, rtol=2e-4)
 
 
+@pytest.mark.slow
 class TrainWithGroupsTest(tf.test.TestCase):
 
     def setUp(self):
         super().setUp()
         self.data_dir = os.path.join(self.get_temp_dir(), 'data')
         helpers.write_dataset(self.data_dir, num_classes=10)
-        self.config = Config(data_dir=self.data_dir, depth=18, num_classes=10, image_size=16, global_batch_size=16,
+        self.config = Config(data_dir=self.data_dir, depth=10, num_classes=10, image_size=16, global_batch_size=16,
                              eval_batch_size=16, num_train_images=48, num_eval_images=20, train_epochs=1,
                              warmup_epochs=0, lr_decay='cosine', base_learning_rate=0.4, shuffle_buffer=8,
                              log_every_steps=0, bn_group_size=2, export_saved_model=True,

@@ -31,7 +31,7 @@ def mirrored(replicas: int = NUM_DEVICES, collective_ops: bool = False) -> tf.di
 
 def subprocess_environment(**extra) -> dict:
     """Environment for a child process running this checkout's package and tools (quiet TensorFlow)."""
-    return dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3', **extra)
+    return {**os.environ, 'PYTHONPATH': REPO, 'TF_CPP_MIN_LOG_LEVEL': '3', **extra}
 
 
 def class_folder(test_class) -> str:

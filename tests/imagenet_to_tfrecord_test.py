@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 from PIL import Image
+import pytest
 import tensorflow as tf
 
 import helpers
@@ -79,6 +80,7 @@ def read_split(out, split):
 
 class ConverterTest(tf.test.TestCase):
 
+    @pytest.mark.slow
     def test_converts_resumes_and_reports(self):
         raw, out = os.path.join(self.get_temp_dir(), 'raw'), os.path.join(self.get_temp_dir(), 'out')
         truth, odd = build_tree(raw)

@@ -5,6 +5,7 @@ import os
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as keras
 
@@ -104,6 +105,7 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual((restored.momentum, restored.eeta, restored.trust_ratio, restored.nesterov),
                          (0.95, 0.002, 'tfm', True))
 
+    @pytest.mark.slow
     def test_eight_replicas_equal_one_device(self):
         config = dataclasses.replace(EQUIVALENCE, optimizer='lars', learning_rate=2.0, lars_eeta=0.01)
         single, multi, initial = train_both_ways(config)
@@ -112,7 +114,7 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(a, b, atol=1e-5, rtol=1e-4)
 
 
-EQUIVALENCE = Config(depth=18, norm='none', num_classes=10, image_size=16, global_batch_size=16,
+EQUIVALENCE = Config(depth=10, norm='none', num_classes=10, image_size=16, global_batch_size=16,
                      num_train_images=48, warmup_epochs=0, lr_decay='cosine', train_epochs=1, weight_decay=1e-3,
                      label_smoothing=0.1)
 

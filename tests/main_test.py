@@ -1,6 +1,8 @@
 """The command line: each bad input ends with one clear line and a non-zero exit, never a traceback."""
 
+import contextlib
 import glob
+import io
 import json
 import os
 import subprocess
@@ -8,6 +10,7 @@ import sys
 
 from absl import flags
 from absl.testing import flagsaver, parameterized
+import pytest
 import tensorflow as tf
 
 import bad_records_test
@@ -17,15 +20,29 @@ from imagenet_tpu import main, schedules, train
 helpers.use_eight_cpus()
 
 REPO = helpers.REPO
-SMALL = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
+SMALL = ['--depth=10', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
          '--global_batch_size=16', '--eval_batch_size=16', '--train_epochs=1', '--strategy=cpu']
 
 
 def run_main(*args):
+    """The command in a real process: (exit status, stderr)."""
     process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.main', *args], cwd=REPO,
                              env=helpers.subprocess_environment(),
                              capture_output=True, text=True, timeout=300)
     return process.returncode, process.stderr
+
+
+def run_main_in_process(*args):
+    """main.main on ``args`` in this process, flags restored after: (exit status, stderr). The real process
+    (run_main) adds only absl's app.run around it, which test_one_line_error_in_a_real_process covers."""
+    stderr = io.StringIO()
+    with flagsaver.flagsaver(), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main.main(flags.FLAGS(['imagenet-tpu-train', *args]))
+            status = 0
+        except SystemExit as exit_:
+            status = exit_.code
+    return status, stderr.getvalue()
 
 
 class MainTest(tf.test.TestCase, parameterized.TestCase):
@@ -58,10 +75,10 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         open(cls.a_file, 'w').close()
         cls.flagfile = os.path.join(cls.root, 'bad.cfg')
         with open(cls.flagfile, 'w') as f:
-            f.write('--depth=18\n--bogus_setting=3\n')
+            f.write('--depth=10\n--bogus_setting=3\n')
 
-    def assert_one_line_error(self, args, expected, status=2, prefix='error: '):
-        code, stderr = run_main(*args)
+    def assert_one_line_error(self, args, expected, status=2, prefix='error: ', run=run_main_in_process):
+        code, stderr = run(*args)
         self.assertEqual(code, status, stderr)
         self.assertNotIn('Traceback', stderr)
         lines = [line for line in stderr.splitlines() if line.startswith(prefix)]
@@ -91,13 +108,18 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
     def test_bad_input(self, make_args, expected):
         self.assert_one_line_error(SMALL + make_args(self), expected)
 
+    def test_one_line_error_in_a_real_process(self):
+        self.assert_one_line_error(SMALL + ['--data_dir=' + self.unreadable_dir], 'cannot read .*train-00001-of-00004',
+                                   run=run_main)
+
+    @pytest.mark.slow
     def test_bad_records_are_skipped_counted_and_reported(self):
         data_dir = os.path.join(self.root, 'bad_records')
         bad_records_test.write_bad_dataset(data_dir)
         model_dir = os.path.join(self.root, 'bad_records_run')
         process = subprocess.run(
             [sys.executable, '-m', 'imagenet_tpu.main', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
-             '--depth=18', '--image_size=16', '--num_classes=16', '--num_train_images=16', '--num_eval_images=16',
+             '--depth=10', '--image_size=16', '--num_classes=16', '--num_train_images=16', '--num_eval_images=16',
              '--global_batch_size=8', '--eval_batch_size=8', '--train_epochs=2', '--strategy=cpu',
              '--num_cpu_devices=2'], cwd=REPO, env=helpers.subprocess_environment(), capture_output=True, text=True, timeout=300)
         self.assertEqual(process.returncode, 0, process.stderr[-3000:])
@@ -111,7 +133,7 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_unknown_flag_in_flagfile(self):
         self.assert_one_line_error(['--flagfile=' + self.flagfile], "Unknown command line flag 'bogus_setting'",
-                                   status=1, prefix='FATAL Flags parsing error')
+                                   status=1, prefix='FATAL Flags parsing error', run=run_main)
 
 
     @parameterized.parameters(*sorted(glob.glob(os.path.join(REPO, 'flags', '*.cfg'))))

@@ -11,13 +11,14 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import helpers
 from imagenet_tpu import cluster
 
 REPO = helpers.REPO
-RUN = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
+RUN = ['--depth=10', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
        '--global_batch_size=8', '--eval_batch_size=8', '--strategy=multi_worker', '--checkpoint_every_steps=4',
        '--seed=1', '--log_every_steps=1', '--eval_every_epochs=100', '--deterministic']
 TIMEOUT = 300
@@ -53,6 +54,7 @@ class ClusterTest(tf.test.TestCase):
             cluster.tf_config(workers, 2)
 
 
+@pytest.mark.slow
 class MultiWorkerTest(tf.test.TestCase):
 
     @classmethod
@@ -78,7 +80,7 @@ class MultiWorkerTest(tf.test.TestCase):
                                  text=True, timeout=TIMEOUT)
         self.assertEqual(process.returncode, 0, errors(process.stdout))
         for index in range(2):
-            self.assertIn(f'[worker {index}] 18-layer ResNet, 2 replicas', process.stdout)
+            self.assertIn(f'[worker {index}] 10-layer ResNet, 2 replicas', process.stdout)
         self.assert_workers_agree(model_dir, 12)
 
     def test_a_killed_worker_then_the_same_command_continues_from_the_last_checkpoint(self):

@@ -23,6 +23,14 @@ class ResNetTest(tf.test.TestCase, parameterized.TestCase):
         trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
         self.assertEqual(trainable, PUBLISHED_PARAMETERS[depth])
 
+    def test_resnet10_is_resnet18_less_one_basic_block_per_stage(self):
+        # Each stage of ResNet-18 repeats a basic block that keeps its width c: two 3x3 convolutions c -> c
+        # (18 c^2 weights) and two batch norms (4 c); ResNet-10 has one block per stage.
+        second_blocks = sum(18 * c * c + 4 * c for c in resnet.STAGE_WIDTHS)
+        model = resnet.resnet(10, 1000, image_size=64)
+        trainable = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+        self.assertEqual(trainable, PUBLISHED_PARAMETERS[18] - second_blocks)
+
     def test_resnet50_stride_on_3x3_convolution(self):
         # v1.5: in a downsampling bottleneck the 1x1 keeps the resolution and the 3x3 halves it.
         model = resnet.ResNet50(1000, image_size=64)

@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import helpers
@@ -24,7 +25,7 @@ helpers.use_eight_cpus()
 
 REPO = helpers.REPO
 STEPS = 60      # 10 epochs of 6 steps
-RUN = ['--depth=18', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
+RUN = ['--depth=10', '--image_size=16', '--num_classes=4', '--num_train_images=48', '--num_eval_images=20',
        '--global_batch_size=8', '--eval_batch_size=8', f'--total_steps={STEPS}', '--strategy=cpu',
        '--num_cpu_devices=2', '--checkpoint_every_steps=4', '--deterministic', '--seed=1',
        '--eval_every_epochs=100', '--log_every_steps=1', '--shuffle_buffer=16', '--learning_rate=0.05',
@@ -74,6 +75,7 @@ def steps_printed(log_text) -> list:
     return [int(step) for step in re.findall(r'step (\d+)/\d+', log_text)]
 
 
+@pytest.mark.slow
 class ResumeTest(tf.test.TestCase):
 
     @classmethod
@@ -156,7 +158,7 @@ class ResumeTest(tf.test.TestCase):
         # Memory grows while buffers and allocator pools fill in the first epochs, then holds: from epoch 4 on
         # its trend is under 30 MiB per epoch (seen: 2-16). Epoch-to-epoch noise is up to 70 MiB, so the trend,
         # not the range; the leak this guards against (new malloc arenas for each data epoch's threads, before
-        # input_pipeline.limit_malloc_arenas) added about 90 MiB per epoch.
+        # runtime.limit_malloc_arenas) added about 90 MiB per epoch.
         slope = np.polyfit(np.arange(3, len(memory)), memory[3:], 1)[0]
         self.assertLess(slope, 30.0, memory)
 
@@ -166,7 +168,7 @@ class CheckpointAtomicityTest(tf.test.TestCase):
     def setUp(self):
         super().setUp()
         self.model_dir = os.path.join(self.get_temp_dir(), f'atomic-{self.id().rsplit(".", 1)[1]}')
-        config = Config(depth=18, image_size=16, num_classes=4, global_batch_size=8, model_dir=self.model_dir)
+        config = Config(depth=10, image_size=16, num_classes=4, global_batch_size=8, model_dir=self.model_dir)
         self.classifier = train.build_classifier(config)
         self.manager = train.checkpoint_manager(self.classifier, self.model_dir)
         self.classifier.optimizer.iterations.assign(4)

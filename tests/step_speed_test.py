@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as keras
 
@@ -12,7 +13,7 @@ from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
 
-SMALL = Config(depth=18, num_classes=10, image_size=32, global_batch_size=8, num_train_images=32, warmup_epochs=0,
+SMALL = Config(depth=10, num_classes=10, image_size=32, global_batch_size=8, num_train_images=32, warmup_epochs=0,
                lr_decay='cosine', base_learning_rate=0.2, train_epochs=1, weight_decay=1e-4, strategy='default')
 
 
@@ -20,8 +21,8 @@ class SpaceToDepthTest(tf.test.TestCase):
 
     def test_stems_agree_for_the_same_weights(self):
         keras.utils.set_random_seed(0)
-        standard = resnet.resnet(18, 10, image_size=32)
-        folded = resnet.resnet(18, 10, image_size=32, space_to_depth=True)
+        standard = resnet.resnet(10, 10, image_size=32)
+        folded = resnet.resnet(10, 10, image_size=32, space_to_depth=True)
         for layer in standard.layers:
             weights = layer.get_weights()
             if layer.name == 'stem_conv':
@@ -44,6 +45,7 @@ class SpaceToDepthTest(tf.test.TestCase):
         self.assertEqual(images.shape, (8, 16, 16, 12))
 
 
+@pytest.mark.slow
 class ExecutionSettingsTest(tf.test.TestCase):
 
     def test_xla_and_steps_per_execution_give_the_same_weights(self):
@@ -63,6 +65,7 @@ class ExecutionSettingsTest(tf.test.TestCase):
 
 class MixedPrecisionTest(tf.test.TestCase):
 
+    @pytest.mark.slow
     def test_bfloat16_compute_float32_variables_and_loss(self):
         config = dataclasses.replace(SMALL, precision='mixed_bfloat16', base_learning_rate=0.05)
         classifier = train.build_classifier(config)

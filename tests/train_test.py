@@ -6,6 +6,7 @@ from unittest import mock
 
 from absl.testing import parameterized
 import numpy as np
+import pytest
 import tensorflow as tf
 import tf_keras as keras
 
@@ -15,7 +16,7 @@ from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
 
-TINY = Config(depth=18, norm='none', num_classes=10, image_size=16, global_batch_size=16, eval_batch_size=16,
+TINY = Config(depth=10, norm='none', num_classes=10, image_size=16, global_batch_size=16, eval_batch_size=16,
               num_train_images=48, num_eval_images=20, base_learning_rate=0.4, warmup_epochs=0, lr_decay='cosine',
               train_epochs=1, weight_decay=1e-3, label_smoothing=0.1, momentum=0.9)
 
@@ -73,6 +74,7 @@ class TrainStepTest(tf.test.TestCase, parameterized.TestCase):
         for variable, value in zip(network.trainable_variables, expected):
             self.assertAllClose(variable, value, atol=1e-5)
 
+    @pytest.mark.slow
     def test_eight_replicas_end_with_the_same_weights_as_one_device(self):
         # No batch norm (norm='none'): plain BN normalizes per replica, so with BN the two runs would differ
         # by design. Everything else of the step (loss scaling by the global batch, weight decay scaled per
@@ -138,6 +140,17 @@ class ScheduleTest(tf.test.TestCase):
         self.assertAllClose(restored(25), rate(25))
 
 
+class SignificantFiguresTest(parameterized.TestCase):
+
+    @parameterized.parameters(11.24, 532.6, 12345.0, 0.01234, 999.6, 9.996, 1.0, 99.95, 48213.7)
+    def test_three_significant_figures_as_pythons_g_format(self, value):
+        shown = train.significant(value)
+        reference = float(f'{value:.3g}')       # Python's own rounding to 3 significant figures
+        self.assertEqual(float(shown.replace(',', '')), reference)
+        digits = shown.replace(',', '').replace('.', '').lstrip('0')
+        self.assertLen(digits, max(3, len(str(int(reference)))))   # 10.0 and 0.0123, not 10.00 or 0.01
+
+
 class FitSegmentsTest(tf.test.TestCase):
 
     def test_fresh_run_is_one_segment(self):
@@ -162,6 +175,7 @@ class TrainAndEvaluateTest(tf.test.TestCase):
                                           model_dir=os.path.join(self.get_temp_dir(), 'run'),
                                           checkpoint_every_steps=2, log_every_steps=0, shuffle_buffer=8)
 
+    @pytest.mark.slow
     def test_resume_continues_at_the_saved_step(self):
         lines = []
         strategy = helpers.mirrored(8)
@@ -212,7 +226,7 @@ class TrainAndEvaluateTest(tf.test.TestCase):
     def test_resuming_a_different_model_is_refused_by_name(self):
         train.check_model_settings(self.config, self.config.model_dir)
         other = dataclasses.replace(self.config, depth=34, num_classes=5)
-        with self.assertRaisesRegex(ConfigError, r"different model \(depth=18 there, 34 now; "
+        with self.assertRaisesRegex(ConfigError, r"different model \(depth=10 there, 34 now; "
                                                  r"num_classes=10 there, 5 now\)"):
             train.check_model_settings(other, self.config.model_dir)
         train.check_model_settings(self.config, self.config.model_dir)   # the same model passes

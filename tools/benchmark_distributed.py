@@ -54,6 +54,7 @@ def build(variant: str, depth: int, image_size: int, batch: int, mesh):
 
 def main(argv):
     del argv
+    step_timing.environment()
     logging.set_verbosity(logging.WARNING)   # ReductionToOneDevice logs every reduction it builds at INFO
     f = flags.FLAGS
     from imagenet_tpu import strategy as strategy_lib

@@ -27,8 +27,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-import tensorflow as tf  # noqa: E402
+from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package's oneDNN setting)
 
+tf = runtime.import_tensorflow()
 from imagenet_tpu import input_pipeline, preprocessing, tfrecord  # noqa: E402
 from imagenet_tpu.config import Config  # noqa: E402
 from imagenet_tpu.train import resident_memory_mb  # noqa: E402
@@ -173,7 +174,9 @@ def run_epochs(data_dir: str, pipeline: str, threads: int, batch_size: int, imag
 
 def main(argv):
     del argv
-    input_pipeline.limit_malloc_arenas()   # as the training command does
+    runtime.limit_malloc_arenas()   # as the training command does
+    environment = runtime.report()  # every pipeline runs in this process, so with this one setting
+    print(runtime.describe(environment))
     if not tf.io.gfile.glob(os.path.join(_DATA_DIR.value or '', 'train-*-of-*')):
         print(f'error: no train-*-of-* files in --data_dir {_DATA_DIR.value} (make them with '
               'tools/make_benchmark_data.py)', file=sys.stderr)
@@ -190,7 +193,7 @@ def main(argv):
     else:
         result = run(_DATA_DIR.value, pipelines, threads, _BATCH_SIZE.value, _IMAGE_SIZE.value, _NUM_IMAGES.value,
                      _ROUNDS.value)
-    print(json.dumps(result))
+    print(json.dumps({**result, 'environment': environment}))
     return 0
 
 

@@ -49,6 +49,7 @@ def time_optimizers(depth, image_size, batch_size, steps, rounds, optimizers, pr
 
 def main(argv):
     del argv
+    step_timing.environment()
     f = flags.FLAGS
     times = time_optimizers(f.depth, f.image_size, f.batch_size, f.steps, f.rounds, f.optimizers)
     result = {'depth': f.depth, 'image_size': f.image_size, 'batch_size': f.batch_size,

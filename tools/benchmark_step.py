@@ -60,6 +60,7 @@ def build_network(name, image_size):
 
 def main(argv):
     del argv
+    step_timing.environment()
     f = flags.FLAGS
     import tf_keras as keras
     from imagenet_tpu import input_pipeline, lars, train

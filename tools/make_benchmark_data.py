@@ -103,13 +103,19 @@ def write(output_dir: str, num_images: int, num_shards: int, num_classes: int, s
 def main(argv):
     del argv
     write(_OUTPUT_DIR.value, _NUM_IMAGES.value, _NUM_SHARDS.value, _NUM_CLASSES.value, _SEED.value)
+    if _NUM_VALIDATION_IMAGES.value:
+        write(_OUTPUT_DIR.value, _NUM_VALIDATION_IMAGES.value, 1, _NUM_CLASSES.value, _SEED.value + 1,
+              split='validation')
 
 
 if __name__ == '__main__':
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import imagenet_tpu  # noqa: F401  (before TensorFlow: the package's oneDNN and log settings)
     from absl import app, flags
     _OUTPUT_DIR = flags.DEFINE_string('output_dir', 'data/benchmark', 'Where the shards are written.')
     _NUM_IMAGES = flags.DEFINE_integer('num_images', 2000, 'Images to write.')
+    _NUM_VALIDATION_IMAGES = flags.DEFINE_integer('num_validation_images', 64, 'Images of a one-shard validation '
+                                                  'split (0: none), which the training command needs.')
     _NUM_SHARDS = flags.DEFINE_integer('num_shards', 8, 'Shards to write them in.')
     _NUM_CLASSES = flags.DEFINE_integer('num_classes', 1000, 'Labels 1..num_classes, in turn.')
     _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the crops, sizes and colours.')

@@ -72,5 +72,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import imagenet_tpu  # noqa: F401  (before TensorFlow: the package's oneDNN setting)
     define_flags()
     app.run(main)

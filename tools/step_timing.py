@@ -7,6 +7,19 @@ over rounds of the mean step time within a round.
 import statistics
 import time
 
+from imagenet_tpu import runtime  # before TensorFlow: the package's oneDNN setting (imagenet_tpu/runtime.py)
+
+_ENVIRONMENT = {}
+
+
+def environment(print_fn=print) -> dict:
+    """The CPU, the features TensorFlow reports and the oneDNN setting in force, printed once. Every candidate
+    of a step benchmark runs in this one process, so all of them run with that setting."""
+    if not _ENVIRONMENT:
+        _ENVIRONMENT.update(runtime.report())
+        print_fn(runtime.describe(_ENVIRONMENT))
+    return dict(_ENVIRONMENT)
+
 
 def warm_up(classifier, iterator, steps: int = 2) -> None:
     """Builds and traces the train function, then runs ``steps`` steps untimed."""
@@ -42,6 +55,7 @@ def summarize(times: dict, base: str, images_per_step: int, print_fn=print) -> d
     for name, median in medians.items():
         print_fn(f'{name}: {median * 1000:.1f} ms/step, {images_per_step / median:.1f} images/s, '
                  f'{median / medians[base]:.3f}x the step time of {base}')
-    return {'median_step_ms': {n: round(m * 1000, 2) for n, m in medians.items()},
+    return {'environment': environment(print_fn),
+            'median_step_ms': {n: round(m * 1000, 2) for n, m in medians.items()},
             'images_per_second': {n: round(images_per_step / m, 1) for n, m in medians.items()},
             f'step_time_ratio_to_{base}': {n: round(m / medians[base], 4) for n, m in medians.items()}}

@@ -1,0 +1,89 @@
+"""Process set-up before TensorFlow: the oneDNN decision, and a start without the no-GPU error line.
+
+The decision is pure logic, tested case by case; what TensorFlow then does with it is checked in fresh processes
+against TensorFlow's own report (IsMklEnabled), since the setting only takes effect before TensorFlow is imported.
+"""
+
+import os
+import platform
+import subprocess
+import sys
+
+from absl.testing import parameterized
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu import runtime
+
+X86 = platform.machine().lower() in ('x86_64', 'amd64')
+CUINIT_LINE = ('2026-11-30 05:09:59.102098: E external/local_xla/xla/stream_executor/cuda/cuda_platform.cc:51] '
+               'failed call to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n')
+NO_DRIVER_LINE = ('2026-11-30 05:09:46.426962: I external/local_xla/xla/tsl/cuda/cudart_stub.cc:31] Could not '
+                  'find cuda drivers on your machine, GPU will not be used.\n')
+
+
+def run_python(code: str, **environment):
+    """Runs ``code`` in a fresh Python with this checkout on the path and TF_ENABLE_ONEDNN_OPTS as given (unset
+    when not given); returns the completed process."""
+    env = helpers.subprocess_environment(TF_CPP_MIN_LOG_LEVEL='2')
+    env.pop(runtime.ONEDNN_VARIABLE, None)
+    env.update(environment)
+    return subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=helpers.REPO)
+
+
+MKL_ENABLED = 'from tensorflow.python.util import _pywrap_util_port as p; print(p.IsMklEnabled())'
+
+
+class OnednnSettingTest(parameterized.TestCase):
+
+    @parameterized.named_parameters(
+        ('x86_unset', {}, 'x86_64', False, '1'),
+        ('windows_amd64_unset', {}, 'AMD64', False, '1'),
+        ('user_said_off', {'TF_ENABLE_ONEDNN_OPTS': '0'}, 'x86_64', False, None),
+        ('user_said_on', {'TF_ENABLE_ONEDNN_OPTS': '1'}, 'x86_64', False, None),
+        ('arm_keeps_tensorflow_default', {}, 'aarch64', False, None),
+        ('too_late_after_tensorflow', {}, 'x86_64', True, None),
+    )
+    def test_decision(self, environ, machine, imported, expected):
+        self.assertEqual(runtime.onednn_setting(environ, machine, imported), expected)
+
+    def test_no_gpu_lines_are_held_back_and_every_other_line_passes(self):
+        real = 'E tensorflow/core/framework/op_kernel.cc:1] something real went wrong\n'
+        text = NO_DRIVER_LINE + CUINIT_LINE + real + 'Traceback (most recent call last):\n'
+        self.assertEqual(runtime.startup_lines_to_show(text, gpu_found=False),
+                         real + 'Traceback (most recent call last):\n')
+        self.assertEqual(runtime.startup_lines_to_show(text, gpu_found=True), text)   # a GPU machine: all of it
+
+
+class FreshProcessTest(tf.test.TestCase):
+
+    def test_importing_the_package_first_turns_onednn_on_on_x86(self):
+        process = run_python('import imagenet_tpu, tensorflow; ' + MKL_ENABLED)
+        self.assertEqual(process.returncode, 0, process.stderr[-2000:])
+        if X86:
+            self.assertEqual(process.stdout.split()[-1], 'True')
+
+    def test_the_users_setting_wins(self):
+        process = run_python('import imagenet_tpu, tensorflow; ' + MKL_ENABLED, TF_ENABLE_ONEDNN_OPTS='0')
+        self.assertEqual(process.returncode, 0, process.stderr[-2000:])
+        self.assertEqual(process.stdout.split()[-1], 'False')
+
+    def test_tensorflow_imported_first_warns_only_where_onednn_is_off(self):
+        process = run_python('import tensorflow, imagenet_tpu; ' + MKL_ENABLED)
+        self.assertEqual(process.returncode, 0, process.stderr[-2000:])
+        onednn_on = process.stdout.split()[-1] == 'True'    # TensorFlow's own default on this CPU
+        self.assertEqual('import imagenet_tpu first' in process.stderr, X86 and not onednn_on, process.stderr)
+
+    def test_command_line_starts_without_the_cuinit_line_and_still_shows_errors(self):
+        process = run_python('import sys; from imagenet_tpu import main; sys.argv = ["imagenet-tpu-train", '
+                             '"--synthetic_data", "--depth=10", "--image_size=16", "--global_batch_size=3", '
+                             '"--strategy=cpu", "--num_cpu_devices=2"]; main.run()')
+        self.assertEqual(process.returncode, 2, process.stderr[-2000:])
+        self.assertEqual(process.stderr.strip().splitlines(),
+                         ['error: --global_batch_size=3 is not divisible by the 2 replicas'])
+        self.assertNotIn('cuInit', process.stderr)
+
+
+if __name__ == '__main__':
+    tf.test.main()
