@@ -40,7 +40,9 @@ _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Directory of train-*-of-* and
                                 '(tools/make_benchmark_data.py writes both).')
 _PEER_PYTHON = flags.DEFINE_string('peer_python', None, 'Python of an environment with tf-models-official '
                                    '(default: this one).')
-_CANDIDATES = flags.DEFINE_list('candidates', ['ours', 'tfm'], 'What to run, in this order each round.')
+_CANDIDATES = flags.DEFINE_list('candidates', ['ours', 'tfm'], "What to run, in this order each round: 'ours', "
+                                "'tfm', or ours with extra flags after a colon, e.g. 'ours:--synthetic_data' (the "
+                                "model without input) or 'ours:--steps_per_execution=10'.")
 _IMAGE_SIZE = flags.DEFINE_integer('image_size', 128, 'Network input side, in pixels.')
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', 32, 'Global batch, in images.')
 _STEPS = flags.DEFINE_integer('steps', 50, 'Training steps per run.')
@@ -59,7 +61,7 @@ def count_records(pattern: str) -> int:
     return sum(1 for path in tf.io.gfile.glob(pattern) for _ in tf.data.TFRecordDataset(path))
 
 
-def ours_command(data_dir: str, model_dir: str, num_eval_images: int) -> list:
+def ours_command(data_dir: str, model_dir: str, num_eval_images: int, extra_flags=()) -> list:
     steps, batch = _STEPS.value, _BATCH_SIZE.value
     return [sys.executable, '-m', 'imagenet_tpu.main', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
             '--depth=50', f'--image_size={_IMAGE_SIZE.value}', f'--num_classes={NUM_CLASSES}', '--label_offset=0',
@@ -69,7 +71,7 @@ def ours_command(data_dir: str, model_dir: str, num_eval_images: int) -> list:
             '--momentum=0.9', '--weight_decay=1e-4', '--base_learning_rate=0.1', '--warmup_epochs=0',
             '--random_crop_min_area=0.08', f'--shuffle_buffer={_SHUFFLE_BUFFER.value}',
             f'--interleave_cycle_length={_CYCLE_LENGTH.value}', f'--checkpoint_every_steps={10 * steps}',
-            f'--jit_compile={str(_JIT_COMPILE.value).lower()}', *_OURS_FLAGS.value]
+            f'--jit_compile={str(_JIT_COMPILE.value).lower()}', *_OURS_FLAGS.value, *extra_flags]
 
 
 def tfm_command(data_dir: str, model_dir: str) -> list:
@@ -106,7 +108,7 @@ def run_once(name: str, command: list, environment: dict, print_fn=print) -> dic
     for line in process.stdout:
         now = time.perf_counter()
         tail = (tail + [line])[-30:]
-        match = _REPORTS[name].search(line)
+        match = _REPORTS[name.split(':')[0]].search(line)
         # Orbit reports step 0 before training and logs each line twice; our epoch-end line repeats the step.
         if match and int(match.group(1)) > (reports[-1][0] if reports else 0):
             reports.append((int(match.group(1)), now))
@@ -130,7 +132,7 @@ def main(argv):
                   'tools/make_benchmark_data.py)', file=sys.stderr)
             return 2
     for name in _CANDIDATES.value:
-        if name not in _REPORTS:
+        if name.split(':')[0] not in _REPORTS or (':' in name and not name.startswith('ours:')):
             print(f'error: unknown candidate {name!r}; choose from {", ".join(_REPORTS)}', file=sys.stderr)
             return 2
     facts = runtime.report()
@@ -143,9 +145,10 @@ def main(argv):
     scratch = tempfile.mkdtemp(prefix='benchmark_trainer-')
     try:
         for round_index in range(_ROUNDS.value):
-            for name in _CANDIDATES.value:
-                model_dir = os.path.join(scratch, f'{name}-{round_index}')
-                command = (ours_command(data_dir, model_dir, num_eval_images) if name == 'ours'
+            for index, name in enumerate(_CANDIDATES.value):
+                model_dir = os.path.join(scratch, f'round{round_index}-candidate{index}')
+                base, _, extra = name.partition(':')
+                command = (ours_command(data_dir, model_dir, num_eval_images, extra.split()) if base == 'ours'
                            else tfm_command(data_dir, model_dir))
                 result = run_once(name, command, environment)
                 runs[name].append(result)
@@ -162,9 +165,11 @@ def main(argv):
     summary = {'environment': facts, 'image_size': _IMAGE_SIZE.value, 'batch_size': _BATCH_SIZE.value,
                'steps': _STEPS.value, 'jit_compile': _JIT_COMPILE.value, 'runs': runs,
                'images_per_second': {n: round(m, 3) for n, m in medians.items()}}
-    if 'ours' in medians and 'tfm' in medians:
-        summary['ours/tfm'] = round(medians['ours'] / medians['tfm'], 3)
-        print(f"ours/tfm: {summary['ours/tfm']:.3f}")
+    if 'tfm' in medians:
+        for name in medians:
+            if name != 'tfm':
+                summary[f'{name}/tfm'] = round(medians[name] / medians['tfm'], 3)
+                print(f"{name}/tfm: {summary[f'{name}/tfm']:.3f}")
     print(json.dumps(summary))
     return 0
 
