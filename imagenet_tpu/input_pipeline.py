@@ -272,8 +272,10 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     image_dtype(config)), labels int32.
 
     The stream is a sequence of data epochs. Epoch e of pipeline p reads p's files in an order shuffled with
-    seed (seed, e), shuffles records with the same seed, and crops and flips record i with seed (seed, e, i),
-    so with deterministic_input the whole stream is a function of the seed. ``start_step`` > 0 resumes it:
+    seed (seed, p, e), shuffles records with the same seed, and crops and flips record i with seed
+    (seed, p, e, i), so with deterministic_input each pipeline's stream is a function of the seed and its
+    pipeline id, and no two hosts draw the same crops and flips (on a pod, a host's draws repeated on every host
+    would put one pattern into every global batch once per host). ``start_step`` > 0 resumes it:
     the records the first start_step steps consumed are skipped before decoding (whole earlier epochs are not
     read at all, the current one is read but not decoded). With bad_records='skip', undecodable records are
     skipped and counted into ``skip_counts``; a resumed stream does not know the bad records of the skipped
@@ -283,7 +285,8 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     paths = _shard_files(list_shards(config.data_dir, tfrecord.TRAIN), context)
     sizes = file_sizes(paths)
     bad, truncated = (skip_counts or SkipCounts()).new_counters()
-    base_seed = tf.constant([config.seed or 0, 0], tf.int64)
+    pipeline_id = context.input_pipeline_id if context else 0
+    base_seed = tf.constant([config.seed or 0, pipeline_id], tf.int64)
     first_epoch, skip = 0, 0
     if start_step:
         first_epoch, skip = resume_position(config, start_step, context, count_records(paths, sizes, config))

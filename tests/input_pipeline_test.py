@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import input_pipeline, preprocessing
+from imagenet_tpu import input_pipeline, preprocessing, tfrecord
 from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
@@ -101,6 +101,39 @@ class InputPipelineTest(tf.test.TestCase):
                 self.assertAllEqual(batch, stream[2 * step + index], msg=f'step {step}, batch {index}')
         # Different data epochs are different orders, not one order repeated.
         self.assertNotAllClose(stream[0], stream[12])
+
+    def test_each_pipelines_resumed_stream_continues_its_own_stream(self):
+        # 2 pipelines of one replica each, 2 files (24 images) apiece: a step takes 4 records from each.
+        config = _config(self.data_dir, deterministic_input=True)
+        for pipeline in (0, 1):
+            context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline,
+                                                 num_replicas_in_sync=2)
+            stream = [images.numpy() for images, _ in input_pipeline.train_dataset(config, context).take(20)]
+            for step in (3, 6, 13):
+                resumed = [images.numpy() for images, _ in
+                           input_pipeline.train_dataset(config, context, start_step=step).take(3)]
+                for index, batch in enumerate(resumed):
+                    self.assertAllEqual(batch, stream[step + index], msg=f'pipeline {pipeline}, step {step}')
+
+    def test_pipelines_over_identical_files_draw_different_augmentations(self):
+        # Every file holds the same 24 records, so pipelines that drew the same crops and flips for the same
+        # records would hand out identical images (before the pipeline id was part of the seed: all of them).
+        same_dir = os.path.join(self.get_temp_dir(), 'identical_shards')
+        os.makedirs(same_dir, exist_ok=True)
+        images = [helpers.photo_like(40, 48, seed) for seed in range(24)]
+        examples = [tfrecord.make_example(tf.io.encode_jpeg(image).numpy(), index % 4 + 1, 40, 48)
+                    for index, image in enumerate(images)]
+        for shard in range(2):
+            tfrecord.write_shard(os.path.join(same_dir, tfrecord.shard_name('train', shard, 2)), examples)
+        config = _config(same_dir, deterministic_input=True, num_train_images=24)
+        streams = []
+        for pipeline in (0, 1):
+            context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline,
+                                                 num_replicas_in_sync=2)
+            batches = input_pipeline.train_dataset(config, context).take(12)   # two data epochs
+            streams.append(np.concatenate([images.numpy() for images, _ in batches]))
+        shared = sum(any(np.array_equal(image, other) for other in streams[0]) for image in streams[1])
+        self.assertLess(shared / len(streams[1]), 0.10, f'{shared} of {len(streams[1])} images repeated')
 
     def test_per_replica_batches_under_a_strategy(self):
         strategy = helpers.mirrored(4)
