@@ -85,11 +85,13 @@ def startup_lines_to_show(text: str, gpu_found: bool) -> str:
 def import_tensorflow():
     """Imports TensorFlow and lets it list its physical devices (where it probes CUDA), passing on everything it
     writes to stderr meanwhile except the lines that only say that this machine has no GPU; returns the module.
+    TensorFlow's C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set.
 
     Call it before anything else touches TensorFlow: later calls just return the module. Logical device
     configuration (strategy.use_logical_cpus) is still possible after it."""
     if 'tensorflow' in sys.modules:
         return sys.modules['tensorflow']
+    os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')   # TensorFlow's C++ errors, not its start-up notices
     sys.stderr.flush()
     saved = os.dup(2)
     gpus = []

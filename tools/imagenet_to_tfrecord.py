@@ -160,6 +160,8 @@ def load_jpeg(path: str):
 
 def write_task(task: ShardTask):
     """Worker: encodes one shard. Returns (path, records written, re-encoded paths, [(path, reason) skipped])."""
+    from imagenet_tpu import runtime
+    runtime.import_tensorflow()   # a quiet start in each worker process (no CUDA-probe line without a GPU)
     from imagenet_tpu import tfrecord
     reencoded, skipped = [], []
 
@@ -181,6 +183,8 @@ def write_task(task: ShardTask):
 
 
 def make_tasks(output_dir: str, split: str, items: List[Item], num_shards: int) -> List[ShardTask]:
+    from imagenet_tpu import runtime
+    runtime.import_tensorflow()
     from imagenet_tpu import tfrecord
     return [ShardTask(os.path.join(output_dir, tfrecord.shard_name(split, index, num_shards)),
                       items[index * len(items) // num_shards:(index + 1) * len(items) // num_shards])

@@ -59,5 +59,6 @@ def main(argv):
 
 if __name__ == '__main__':
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import imagenet_tpu  # noqa: F401  (before TensorFlow: the package's oneDNN and log settings)
+    from imagenet_tpu import runtime  # before TensorFlow: the package's oneDNN setting
+    runtime.import_tensorflow()     # a quiet start (no CUDA-probe line without a GPU)
     app.run(main)

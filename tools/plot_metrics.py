@@ -25,7 +25,8 @@ def read_scalars(log_dir: str) -> dict:
     import tensorflow as tf
     scalars = collections.defaultdict(dict)
     for path in sorted(glob.glob(os.path.join(log_dir, 'events.out.tfevents.*'))):
-        for event in tf.compat.v1.train.summary_iterator(path):
+        for record in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(record.numpy())
             for value in event.summary.value:
                 number = (float(tf.make_ndarray(value.tensor)) if value.HasField('tensor')
                           else float(value.simple_value))
@@ -73,6 +74,7 @@ def main(argv):
 
 if __name__ == '__main__':
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import imagenet_tpu  # noqa: F401  (before TensorFlow: the package's oneDNN setting)
+    from imagenet_tpu import runtime  # before TensorFlow: the package's oneDNN setting
+    runtime.import_tensorflow()     # a quiet start (no CUDA-probe line without a GPU)
     define_flags()
     app.run(main)
