@@ -104,7 +104,7 @@ class MultiWorkerTest(tf.test.TestCase):
         with open(log_path) as f:
             text = f.read()
         self.assertIn('worker 1 exited with status -9; stopping the others', text)
-        reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch \d+ step (\d+)/', text))
+        reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch [\d.]+ step (\d+)/', text))
         process = subprocess.run(launcher(self.data_dir, model_dir, 36), env=environment(), capture_output=True,
                                  text=True, timeout=TIMEOUT)
         self.assertEqual(process.returncode, 0, errors(process.stdout))

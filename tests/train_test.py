@@ -151,6 +151,17 @@ class SignificantFiguresTest(parameterized.TestCase):
         self.assertLen(digits, max(3, len(str(int(reference)))))   # 10.0 and 0.0123, not 10.00 or 0.01
 
 
+class ProgressTest(tf.test.TestCase):
+
+    def test_epoch_is_the_data_seen_as_the_papers_count_it(self):
+        # MLPerf v0.7's batch-64k run: 1,738 steps of 65,536 ImageNet images read as epoch 88.9.
+        lines = []
+        progress = train.Progress(1738, 65536, 0, lines.append, num_train_images=1_281_167)
+        progress.set_model(mock.Mock(optimizer=mock.Mock(iterations=tf.Variable(1738, dtype=tf.int64))))
+        self.assertStartsWith(progress._line(19, {'loss': 1.0, 'top_1': 0.5}, 1000.0),
+                              'epoch 88.9 step 1738/1738 loss 1.0000 top-1 50.00% 1,000 images/s')
+
+
 class FitSegmentsTest(tf.test.TestCase):
 
     def test_fresh_run_is_one_segment(self):

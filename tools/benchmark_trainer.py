@@ -96,7 +96,7 @@ def tfm_command(data_dir: str, model_dir: str) -> list:
 
 
 # A progress report: (reported step) from our progress line or from orbit's train loop line.
-_REPORTS = {'ours': re.compile(r'^epoch \d+ step (\d+)/\d+ '), 'tfm': re.compile(r'train \| step:\s*(\d+) \|')}
+_REPORTS = {'ours': re.compile(r'^epoch [\d.]+ step (\d+)/\d+ '), 'tfm': re.compile(r'train \| step:\s*(\d+) \|')}
 
 
 def run_once(name: str, command: list, environment: dict, print_fn=print) -> dict:
