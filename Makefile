@@ -42,7 +42,7 @@ peer: $(PEER)/.installed
 
 # Our command line against tf-models-official's trainer, alternating, on ImageNet-like records (BUILD.md).
 benchmark-trainer: $(STAMP) $(PEER)/.installed
-	test -d data/benchmark || $(BIN)/python tools/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
+	ls data/benchmark/validation-* >/dev/null 2>&1 || $(BIN)/python tools/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
 	$(BIN)/python tools/benchmark_trainer.py --data_dir data/benchmark --peer_python $(PEER)/bin/python
 
 clean:

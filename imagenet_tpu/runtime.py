@@ -9,7 +9,7 @@
 - A quiet start on machines without a GPU. The tensorflow wheel carries CUDA support and, on a machine without an
   NVIDIA driver, logs `E ... cuda_platform.cc:51] failed call to cuInit: ...` when it first lists its devices:
   an error line that only says there is no GPU. import_tensorflow holds that line (and the matching "Could not
-  find cuda drivers" notice) back when no GPU was found, and passes every other line on.
+  find cuda drivers" notice) back where no NVIDIA driver is loaded, and passes every other line on.
 - glibc's malloc arenas (limit_malloc_arenas).
 
 Nothing here imports TensorFlow at module level, so importing this module is free and settles the environment.
@@ -72,40 +72,53 @@ def onednn_enabled() -> bool:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
-# Lines TensorFlow prints at start-up that only say that no GPU is there (kept where a GPU was found).
+# Lines TensorFlow prints at start-up that only say that no GPU is there.
 _NO_GPU_LINES = re.compile(r'failed call to cuInit|Could not find cuda drivers on your machine')
 
 
-def startup_lines_to_show(text: str, gpu_found: bool) -> str:
-    """What TensorFlow wrote to stderr while starting, less the lines that only say that there is no GPU."""
+def startup_lines_to_show(text: str, gpu_expected: bool) -> str:
+    """What TensorFlow wrote to stderr while listing its devices, less the lines that only say that there is no
+    GPU; all of it where a GPU is expected (a driver is installed), since there the same line explains why a
+    GPU is missing."""
     lines = text.splitlines(keepends=True)
-    return ''.join(line for line in lines if gpu_found or not _NO_GPU_LINES.search(line))
+    return ''.join(line for line in lines if gpu_expected or not _NO_GPU_LINES.search(line))
+
+
+def nvidia_driver_present() -> bool:
+    """Whether an NVIDIA kernel driver is loaded (Linux)."""
+    return os.path.exists('/proc/driver/nvidia') or os.path.exists('/dev/nvidiactl')
 
 
 def import_tensorflow():
-    """Imports TensorFlow and lets it list its physical devices (where it probes CUDA), passing on everything it
-    writes to stderr meanwhile except the lines that only say that this machine has no GPU; returns the module.
-    TensorFlow's C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set.
+    """Imports TensorFlow and lets it list its physical devices (where it probes CUDA); returns the module.
 
-    Call it before anything else touches TensorFlow: later calls just return the module. Logical device
-    configuration (strategy.use_logical_cpus) is still possible after it."""
-    if 'tensorflow' in sys.modules:
-        return sys.modules['tensorflow']
+    While it lists them, what TensorFlow writes to stderr is held and passed on afterwards, less the lines that
+    only say that there is no GPU, on machines without an NVIDIA driver (startup_lines_to_show). TensorFlow's
+    C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set. Call it before anything else
+    touches TensorFlow's devices; logical device configuration (strategy.use_logical_cpus) is still possible
+    after it."""
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')   # TensorFlow's C++ errors, not its start-up notices
-    sys.stderr.flush()
-    saved = os.dup(2)
+    already = 'tensorflow' in sys.modules
+    import tensorflow as tf   # pylint: disable=import-outside-toplevel
+    if already or sys.stderr is None:
+        return tf
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        return tf      # no usable stderr: nothing to hold back
     gpus = []
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            import tensorflow as tf   # pylint: disable=import-outside-toplevel
             gpus = tf.config.list_physical_devices('GPU')
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             captured.seek(0)
-            kept = startup_lines_to_show(captured.read().decode(errors='replace'), bool(gpus))
+            kept = startup_lines_to_show(captured.read().decode(errors='replace'),
+                                         bool(gpus) or nvidia_driver_present())
             if kept:
                 os.write(2, kept.encode())
     return tf

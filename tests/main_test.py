@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from absl import flags
+from absl import logging as absl_logging
 from absl.testing import flagsaver, parameterized
 import pytest
 import tensorflow as tf
@@ -35,13 +36,19 @@ def run_main(*args):
 def run_main_in_process(*args):
     """main.main on ``args`` in this process, flags restored after: (exit status, stderr). The real process
     (run_main) adds only absl's app.run around it, which test_one_line_error_in_a_real_process covers."""
+    # Settings main() makes for the whole process, which this one must not take on (or cannot: other devices).
+    assert not any(arg.startswith(('--seed', '--deterministic', '--num_cpu_devices')) for arg in args), args
     stderr = io.StringIO()
+    levels = absl_logging.get_verbosity(), tf.get_logger().level
     with flagsaver.flagsaver(), contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
         try:
             main.main(flags.FLAGS(['imagenet-tpu-train', *args]))
             status = 0
         except SystemExit as exit_:
             status = exit_.code
+        finally:
+            absl_logging.set_verbosity(levels[0])
+            tf.get_logger().setLevel(levels[1])
     return status, stderr.getvalue()
 
 

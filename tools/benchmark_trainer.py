@@ -131,6 +131,11 @@ def main(argv):
             print(f'error: no {split}-*-of-* files in --data_dir {_DATA_DIR.value} (make them with '
                   'tools/make_benchmark_data.py)', file=sys.stderr)
             return 2
+    if _STEPS.value % _REPORT_EVERY.value or _STEPS.value < 2 * _REPORT_EVERY.value:
+        # Our last report must be a step report, not the epoch-end line printed after evaluation.
+        print(f'error: --steps={_STEPS.value} must be a multiple of --report_every={_REPORT_EVERY.value}, '
+              'at least twice it', file=sys.stderr)
+        return 2
     for name in _CANDIDATES.value:
         if name.split(':')[0] not in _REPORTS or (':' in name and not name.startswith('ours:')):
             print(f'error: unknown candidate {name!r}; choose from {", ".join(_REPORTS)}', file=sys.stderr)

@@ -75,7 +75,7 @@ def make_image(photo, rng: np.random.Generator) -> bytes:
 def write(output_dir: str, num_images: int, num_shards: int, num_classes: int, seed: int, split: str = 'train',
           print_fn=print) -> dict:
     """Writes ``num_images`` records in ``num_shards`` shards; returns counts and byte statistics."""
-    import tensorflow as tf  # noqa: F401  (the writer needs it; imported late so --help is quick)
+    import tensorflow as tf  # noqa: F401  (the writer needs it)
     from imagenet_tpu import tfrecord
     photos = source_photos()
     rng = np.random.default_rng(seed)
