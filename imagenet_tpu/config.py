@@ -28,6 +28,7 @@ class Config:
     num_eval_images: int = 50000            # validation images; every one is evaluated
     image_size: int = 224                   # side of the square network input, in pixels
     random_crop_min_area: float = 0.08      # smallest crop, as a fraction of the image area
+    crop_boxes: bool = False                # sample crops against the record's ILSVRC boxes; False: whole image
     random_flip: bool = True
     shuffle_buffer: int = 10000             # in records, per input pipeline
     interleave_cycle_length: int = 16       # training files read at once per input pipeline
@@ -123,6 +124,8 @@ class Config:
             raise ConfigError(f"bad_records must be 'skip' or 'fatal', got {self.bad_records!r}")
         if self.input_cache not in ('none', 'records', 'images'):
             raise ConfigError(f"input_cache must be 'none', 'records' or 'images', got {self.input_cache!r}")
+        if self.crop_boxes and self.input_cache == 'images':
+            raise ConfigError("crop_boxes needs the records' boxes, which input_cache='images' does not keep")
         if self.interleave_cycle_length < 1 or self.interleave_block_length < 1 or self.input_threads < 0:
             raise ConfigError('interleave_cycle_length and interleave_block_length must be positive and '
                               'input_threads non-negative')

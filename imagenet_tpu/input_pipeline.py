@@ -323,7 +323,8 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
         else:
             example = tfrecord.parse_example(record)
             image = preprocessing.preprocess_for_train(
-                example['encoded'], example['boxes'], config.image_size, min_area=config.random_crop_min_area,
+                example['encoded'], example['boxes'] if config.crop_boxes else tf.zeros([0, 4]), config.image_size,
+                min_area=config.random_crop_min_area,
                 flip=config.random_flip, dtype=dtype, seed=seed)
             label = example['label']
         return position, image, tfrecord.to_model_label(label, config.label_offset, config.num_classes)

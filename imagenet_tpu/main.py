@@ -40,6 +40,10 @@ _NUM_EVAL_IMAGES = flags.DEFINE_integer('num_eval_images', _DEFAULTS.num_eval_im
 _IMAGE_SIZE = flags.DEFINE_integer('image_size', _DEFAULTS.image_size, 'Network input side, in pixels.')
 _RANDOM_CROP_MIN_AREA = flags.DEFINE_float('random_crop_min_area', _DEFAULTS.random_crop_min_area,
                                            'Smallest random crop as a fraction of the image area (Inception: 0.08).')
+_CROP_BOXES = flags.DEFINE_bool(
+    'crop_boxes', _DEFAULTS.crop_boxes,
+    "Sample training crops to cover at least 10% of one of the record's ILSVRC boxes. Off (default): against the "
+    'whole image, as tensorflow/tpu, the MLPerf submissions and tf-models-official do.')
 _RANDOM_FLIP = flags.DEFINE_bool('random_flip', _DEFAULTS.random_flip, 'Random left-right flips in training.')
 _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', _DEFAULTS.shuffle_buffer,
                                        'Records in the shuffle buffer of each input pipeline.')
@@ -187,7 +191,7 @@ def config_from_flags() -> Config:
     return Config(
         data_dir=_DATA_DIR.value, num_classes=_NUM_CLASSES.value, label_offset=_LABEL_OFFSET.value,
         num_train_images=_NUM_TRAIN_IMAGES.value, num_eval_images=_NUM_EVAL_IMAGES.value,
-        image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value,
+        image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value, crop_boxes=_CROP_BOXES.value,
         random_flip=_RANDOM_FLIP.value, shuffle_buffer=_SHUFFLE_BUFFER.value,
         interleave_cycle_length=_INTERLEAVE_CYCLE_LENGTH.value, interleave_block_length=_INTERLEAVE_BLOCK_LENGTH.value,
         read_buffer_mb=_READ_BUFFER_MB.value, input_threads=_INPUT_THREADS.value, input_cache=_INPUT_CACHE.value,

@@ -135,6 +135,25 @@ class InputPipelineTest(tf.test.TestCase):
         shared = sum(any(np.array_equal(image, other) for other in streams[0]) for image in streams[1])
         self.assertLess(shared / len(streams[1]), 0.10, f'{shared} of {len(streams[1])} images repeated')
 
+    def test_training_crops_ignore_the_boxes_unless_asked(self):
+        # The same photos written twice: with a small box in a corner, and with no box. tensorflow/tpu, the MLPerf
+        # submissions and tf-models-official sample the crop against the whole image (a constant box), so by
+        # default both sets must give the same crops; with crop_boxes the corner box steers them.
+        streams = {}
+        for name, boxes in (('boxed', [(0.0, 0.0, 0.2, 0.2)]), ('plain', [])):
+            data_dir = os.path.join(self.get_temp_dir(), f'crop_{name}')
+            os.makedirs(data_dir, exist_ok=True)
+            examples = [tfrecord.make_example(tf.io.encode_jpeg(helpers.photo_like(48, 64, seed)).numpy(), 1, 48, 64,
+                                              boxes=boxes) for seed in range(8)]
+            tfrecord.write_shard(os.path.join(data_dir, tfrecord.shard_name('train', 0, 1)), examples)
+            for crop_boxes in (False, True):
+                config = _config(data_dir, deterministic_input=True, num_train_images=8, crop_boxes=crop_boxes)
+                streams[name, crop_boxes] = np.concatenate(
+                    [images.numpy() for images, _ in input_pipeline.train_dataset(config).take(2)])
+        self.assertAllEqual(streams['boxed', False], streams['plain', False])
+        self.assertAllEqual(streams['plain', True], streams['plain', False])   # no box: the whole image either way
+        self.assertNotAllClose(streams['boxed', True], streams['boxed', False])
+
     def test_per_replica_batches_under_a_strategy(self):
         strategy = helpers.mirrored(4)
         config = _config(self.data_dir)
