@@ -29,6 +29,8 @@ class Config:
     image_size: int = 224                   # side of the square network input, in pixels
     random_crop_min_area: float = 0.08      # smallest crop, as a fraction of the image area
     crop_boxes: bool = False                # sample crops against the record's ILSVRC boxes; False: whole image
+    eval_crop_fraction: float = 0.875       # evaluation keeps this share of the shorter side, centred
+    eval_crop_padding: Optional[int] = None     # when set: image_size / (image_size + padding) instead (tpu: 32)
     random_flip: bool = True
     shuffle_buffer: int = 10000             # in records, per input pipeline
     interleave_cycle_length: int = 16       # training files read at once per input pipeline
@@ -124,6 +126,9 @@ class Config:
             raise ConfigError(f"bad_records must be 'skip' or 'fatal', got {self.bad_records!r}")
         if self.input_cache not in ('none', 'records', 'images'):
             raise ConfigError(f"input_cache must be 'none', 'records' or 'images', got {self.input_cache!r}")
+        if not 0 < self.eval_crop_fraction <= 1 or (self.eval_crop_padding is not None and self.eval_crop_padding < 0):
+            raise ConfigError(f'eval_crop_fraction must be in (0, 1] and eval_crop_padding non-negative, got '
+                              f'{self.eval_crop_fraction}, {self.eval_crop_padding}')
         if self.crop_boxes and self.input_cache == 'images':
             raise ConfigError("crop_boxes needs the records' boxes, which input_cache='images' does not keep")
         if self.interleave_cycle_length < 1 or self.interleave_block_length < 1 or self.input_threads < 0:
@@ -139,6 +144,15 @@ class Config:
             raise ConfigError(f'random_crop_min_area must be in (0, 1], got {self.random_crop_min_area}')
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f'label_smoothing must be in [0, 1), got {self.label_smoothing}')
+
+    @property
+    def eval_crop(self) -> float:
+        """Share of the shorter side the evaluation crop keeps: eval_crop_fraction, or with eval_crop_padding the
+        convention of tensorflow/tpu's resnet_preprocessing.py, image_size / (image_size + CROP_PADDING), whose
+        CROP_PADDING is 32 (0.875 at 224, 0.8 at 128)."""
+        if self.eval_crop_padding is None:
+            return self.eval_crop_fraction
+        return self.image_size / (self.image_size + self.eval_crop_padding)
 
     @property
     def steps_per_epoch(self) -> int:

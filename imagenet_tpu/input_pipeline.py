@@ -379,7 +379,8 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
 
     def parse(index, serialized):
         example = tfrecord.parse_example(serialized)
-        image = preprocessing.preprocess_for_eval(example['encoded'], config.image_size, dtype=dtype)
+        image = preprocessing.preprocess_for_eval(example['encoded'], config.image_size, dtype=dtype,
+                                                  crop_fraction=config.eval_crop)
         label = tfrecord.to_model_label(example['label'], config.label_offset, config.num_classes)
         return index, image, label, tf.constant(1.0)
 

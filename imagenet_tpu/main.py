@@ -44,6 +44,11 @@ _CROP_BOXES = flags.DEFINE_bool(
     'crop_boxes', _DEFAULTS.crop_boxes,
     "Sample training crops to cover at least 10% of one of the record's ILSVRC boxes. Off (default): against the "
     'whole image, as tensorflow/tpu, the MLPerf submissions and tf-models-official do.')
+_EVAL_CROP_FRACTION = flags.DEFINE_float('eval_crop_fraction', _DEFAULTS.eval_crop_fraction,
+                                         'Evaluation keeps this share of the shorter side, centred (224 of 256).')
+_EVAL_CROP_PADDING = flags.DEFINE_integer(
+    'eval_crop_padding', None, "Instead of --eval_crop_fraction, tensorflow/tpu's convention: keep image_size / "
+    '(image_size + padding) of the shorter side (its CROP_PADDING is 32: 0.875 at 224, 0.8 at 128).')
 _RANDOM_FLIP = flags.DEFINE_bool('random_flip', _DEFAULTS.random_flip, 'Random left-right flips in training.')
 _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', _DEFAULTS.shuffle_buffer,
                                        'Records in the shuffle buffer of each input pipeline.')
@@ -192,6 +197,7 @@ def config_from_flags() -> Config:
         data_dir=_DATA_DIR.value, num_classes=_NUM_CLASSES.value, label_offset=_LABEL_OFFSET.value,
         num_train_images=_NUM_TRAIN_IMAGES.value, num_eval_images=_NUM_EVAL_IMAGES.value,
         image_size=_IMAGE_SIZE.value, random_crop_min_area=_RANDOM_CROP_MIN_AREA.value, crop_boxes=_CROP_BOXES.value,
+        eval_crop_fraction=_EVAL_CROP_FRACTION.value, eval_crop_padding=_EVAL_CROP_PADDING.value,
         random_flip=_RANDOM_FLIP.value, shuffle_buffer=_SHUFFLE_BUFFER.value,
         interleave_cycle_length=_INTERLEAVE_CYCLE_LENGTH.value, interleave_block_length=_INTERLEAVE_BLOCK_LENGTH.value,
         read_buffer_mb=_READ_BUFFER_MB.value, input_threads=_INPUT_THREADS.value, input_cache=_INPUT_CACHE.value,

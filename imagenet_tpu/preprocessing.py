@@ -108,8 +108,9 @@ def center_crop_window(encoded: tf.Tensor, fraction: float = EVAL_CROP_FRACTION)
     return tf.stack([(height - side + 1) // 2, (width - side + 1) // 2, side, side])
 
 
-def preprocess_for_eval(encoded: tf.Tensor, image_size: int, *, dtype: tf.DType = tf.float32) -> tf.Tensor:
-    """Central crop of 87.5% of the shorter side (decoded fused with the crop), resize."""
-    image = tf.image.decode_and_crop_jpeg(encoded, center_crop_window(encoded), channels=3,
+def preprocess_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fraction: float = EVAL_CROP_FRACTION,
+                        dtype: tf.DType = tf.float32) -> tf.Tensor:
+    """Central crop of ``crop_fraction`` of the shorter side (decoded fused with the crop), resize."""
+    image = tf.image.decode_and_crop_jpeg(encoded, center_crop_window(encoded, crop_fraction), channels=3,
                                          dct_method=DCT_METHOD)
     return _resize(image, image_size, dtype)

@@ -9,6 +9,7 @@ import sklearn.datasets
 import tensorflow as tf
 
 from imagenet_tpu import preprocessing
+from imagenet_tpu.config import Config
 
 PHOTOS = [os.path.join(os.path.dirname(sklearn.datasets.__file__), 'images', name)
           for name in ('china.jpg', 'flower.jpg')]
@@ -75,17 +76,27 @@ class CropStatisticsTest(tf.test.TestCase):
 class EvalPreprocessingTest(tf.test.TestCase):
 
     def test_real_photographs_match_pil_decode_and_numpy_centre_crop(self):
+        self._match_pil_and_numpy(Config(image_size=224), 224, 0.875)
+
+    def test_crop_padding_convention_of_tensorflow_tpu(self):
+        # tensorflow/tpu resnet_preprocessing.py: image_size / (image_size + CROP_PADDING), CROP_PADDING = 32.
+        config = Config(image_size=128, eval_crop_padding=32)
+        self.assertAlmostEqual(config.eval_crop, 0.8)
+        self._match_pil_and_numpy(config, 128, 128 / (128 + 32))
+
+    def _match_pil_and_numpy(self, config, size, fraction):
         for path in PHOTOS:
             with open(path, 'rb') as f:
                 encoded = f.read()
-            ours = preprocessing.preprocess_for_eval(tf.constant(encoded), 224).numpy()
-            # Reference: PIL decodes the whole photo, NumPy crops 87.5% of the shorter side at the centre.
+            ours = preprocessing.preprocess_for_eval(tf.constant(encoded), size,
+                                                     crop_fraction=config.eval_crop).numpy()
+            # Reference: PIL decodes the whole photo, NumPy crops ``fraction`` of the shorter side at the centre.
             pixels = np.asarray(Image.open(path).convert('RGB'))
             height, width = pixels.shape[:2]
-            side = int(0.875 * min(height, width))
+            side = int(fraction * min(height, width))
             top, left = (height - side + 1) // 2, (width - side + 1) // 2
             crop = pixels[top:top + side, left:left + side].astype(np.float32)
-            resized = tf.image.resize(crop, [224, 224], method='bilinear').numpy()
+            resized = tf.image.resize(crop, [size, size], method='bilinear').numpy()
             reference = resized
             difference = np.abs(ours - reference)
             # Two JPEG decoders may differ by a grey level or two in places (about 0.01-0.03 here).
@@ -95,7 +106,7 @@ class EvalPreprocessingTest(tf.test.TestCase):
             self.assertLess(float(np.max(difference)), 0.5, path)
             # And the crop is the centre: shifting the reference by 8 pixels is much further away.
             shifted = pixels[top:top + side, left + 8:left + 8 + side].astype(np.float32)
-            shifted = tf.image.resize(shifted, [224, 224]).numpy()
+            shifted = tf.image.resize(shifted, [size, size]).numpy()
             self.assertGreater(float(np.mean(np.abs(ours - shifted))), 1.0)
 
 
