@@ -1,7 +1,7 @@
 """End-to-end training images/s: our command line against tf-models-official's own trainer, alternating.
 
 Both train a ResNet-50 from TFRecords on disk with the same settings: image size, global batch, one device of
-this machine (our --strategy=default, their one_device strategy), float32, XLA off unless --jit_compile, random
+the machine (our --strategy=default, their one_device strategy), float32, XLA off unless --jit_compile, random
 crops of 8-100% of the image area and flips, momentum SGD with L2 weight decay 1e-4, 1001 classes, shuffle buffer
 and files read at once alike. Theirs is experiment `resnet_imagenet` run by `official.vision.train` (its parser,
 its task's train step, orbit's loop with --report_every steps per loop); ours is `imagenet-tpu-train`.
