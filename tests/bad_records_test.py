@@ -1,5 +1,6 @@
 """Bad input records: a corrupt JPEG, a truncated JPEG, a record missing a feature and a TFRecord file cut
-mid-record are skipped and counted (every good image still seen once per epoch), or stop the run when set."""
+mid-record (helpers.write_bad_dataset) are skipped and counted (every good image still seen once per epoch), or
+stop the run when set."""
 
 import dataclasses
 import os
@@ -8,37 +9,12 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import input_pipeline, tfrecord
+from imagenet_tpu import input_pipeline
 from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
 
-NUM_GOOD = 16
-
-
-def write_bad_dataset(data_dir: str) -> list:
-    """Two train shards and two validation shards with the same content: 16 good records, labels 1..16 (one
-    per image, so a label identifies an image), plus 3 bad records in shard 0 and shard 1 cut mid-record.
-    Returns the good labels."""
-    os.makedirs(data_dir, exist_ok=True)
-    good = [tfrecord.make_example(tf.io.encode_jpeg(helpers.photo_like(20, 24, i)).numpy(), i + 1, 20, 24)
-            for i in range(NUM_GOOD)]
-    jpeg = good[0].features.feature[tfrecord.ENCODED].bytes_list.value[0]
-    corrupt = tfrecord.make_example(b'\xff\xd8' + b'garbage' * 50, 1, 20, 24)
-    truncated = tfrecord.make_example(jpeg[:len(jpeg) // 2], 1, 20, 24)
-    missing = tf.train.Example()
-    missing.features.feature[tfrecord.LABEL].int64_list.value.append(1)   # no image/encoded
-    for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
-        first = os.path.join(data_dir, tfrecord.shard_name(split, 0, 2))
-        tfrecord.write_shard(first, good[:5] + [corrupt] + good[5:8] + [truncated, missing])
-        second = os.path.join(data_dir, tfrecord.shard_name(split, 1, 2))
-        # Shard 1: records 8..15 and a 9th whose bytes are cut in the middle.
-        tfrecord.write_shard(second, good[8:] + [good[0]])
-        with open(second, 'rb') as f:
-            content = f.read()
-        with open(second, 'wb') as f:
-            f.write(content[:-200])
-    return list(range(1, NUM_GOOD + 1))
+NUM_GOOD = helpers.NUM_GOOD_RECORDS
 
 
 def _config(data_dir, **overrides):
@@ -53,7 +29,7 @@ class BadRecordsTest(tf.test.TestCase):
     def setUp(self):
         super().setUp()
         self.data_dir = os.path.join(self.get_temp_dir(), 'bad')
-        self.good_labels = write_bad_dataset(self.data_dir)
+        self.good_labels = helpers.write_bad_dataset(self.data_dir)
 
     def test_training_skips_and_counts_bad_records_and_sees_every_good_image(self):
         counts = input_pipeline.SkipCounts()

@@ -1,16 +1,21 @@
-"""Shared test helper: 8 logical CPU devices, made once per process, and small data written on the fly.
+"""Shared test helpers: 8 logical CPU devices, made once per process; small data written on the fly; a tiny
+training configuration; and training the same start under two settings (with and without a strategy, ...).
 
 Logical devices cannot change after TensorFlow initializes, so every test module calls use_eight_cpus() at
-import, before any test touches a device.
+import, before any test touches a device. Test modules share code only through this module.
 """
 
+import dataclasses
 import os
 import tempfile
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+import tf_keras as keras
 
 from imagenet_tpu import strategy, tfrecord
+from imagenet_tpu.config import Config
 
 NUM_DEVICES = 8
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,10 +91,49 @@ def write_dataset(data_dir: str, num_train: int = 48, num_validation: int = 20, 
     return written
 
 
+NUM_GOOD_RECORDS = 16
+
+
+def write_bad_dataset(data_dir: str) -> list:
+    """Two train shards and two validation shards with the same content: 16 good records, labels 1..16 (one
+    per image, so a label identifies an image), plus 3 bad records in shard 0 (a corrupt JPEG, a truncated JPEG,
+    a record without image/encoded) and shard 1 cut mid-record. Returns the good labels."""
+    os.makedirs(data_dir, exist_ok=True)
+    good = [tfrecord.make_example(tf.io.encode_jpeg(photo_like(20, 24, i)).numpy(), i + 1, 20, 24)
+            for i in range(NUM_GOOD_RECORDS)]
+    jpeg = good[0].features.feature[tfrecord.ENCODED].bytes_list.value[0]
+    corrupt = tfrecord.make_example(b'\xff\xd8' + b'garbage' * 50, 1, 20, 24)
+    truncated = tfrecord.make_example(jpeg[:len(jpeg) // 2], 1, 20, 24)
+    missing = tf.train.Example()
+    missing.features.feature[tfrecord.LABEL].int64_list.value.append(1)   # no image/encoded
+    for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
+        first = os.path.join(data_dir, tfrecord.shard_name(split, 0, 2))
+        tfrecord.write_shard(first, good[:5] + [corrupt] + good[5:8] + [truncated, missing])
+        second = os.path.join(data_dir, tfrecord.shard_name(split, 1, 2))
+        # Shard 1: records 8..15 and a 9th whose bytes are cut in the middle.
+        tfrecord.write_shard(second, good[8:] + [good[0]])
+        with open(second, 'rb') as f:
+            content = f.read()
+        with open(second, 'wb') as f:
+            f.write(content[:-200])
+    return list(range(1, NUM_GOOD_RECORDS + 1))
+
+
 def pixels(rng: np.random.Generator, shape) -> np.ndarray:
     """Random float32 images on the pixel scale the network expects (0..255 around ImageNet's mean): after
     its first layer (resnet.Standardize) they are about N(0, 1)."""
     return (117.0 + 58.0 * rng.normal(size=shape)).astype(np.float32)
+
+
+def tiny_config(**overrides) -> Config:
+    """The tests' small training setting: ResNet-10 without normalization layers on 16x16 images of 10 classes,
+    global batch 16, 48 training images (3 steps an epoch) and 20 held-out ones, cosine decay from 0.4 without
+    warm-up, weight decay 1e-3, label smoothing 0.1. ``overrides``: any Config fields, applied with
+    dataclasses.replace (so they are validated as Config(...) would)."""
+    base = Config(depth=10, norm='none', num_classes=10, image_size=16, global_batch_size=16, eval_batch_size=16,
+                  num_train_images=48, num_eval_images=20, base_learning_rate=0.4, warmup_epochs=0,
+                  lr_decay='cosine', train_epochs=1, weight_decay=1e-3, label_smoothing=0.1, momentum=0.9)
+    return dataclasses.replace(base, **overrides)
 
 
 def equivalence_batches(steps: int = 3, batch: int = 16, size: int = 16, classes: int = 10, seed: int = 0):
@@ -101,11 +145,49 @@ def equivalence_batches(steps: int = 3, batch: int = 16, size: int = 16, classes
 
 
 def train_from(config, initial_weights, strategy, dataset, steps: int = 3) -> list:
-    """Builds config's classifier under ``strategy``, sets ``initial_weights``, trains ``steps`` steps of
-    ``dataset`` with model.fit and returns the network's weights."""
+    """Builds a classifier under ``strategy``, sets ``initial_weights``, trains ``steps`` steps of ``dataset``
+    with model.fit and returns the network's weights.
+
+    ``config``: a Config (the classifier is train.build_classifier(config)) or a callable returning a compiled
+    train.Classifier; either is used inside ``strategy.scope()``."""
     from imagenet_tpu import train
     with strategy.scope():
-        classifier = train.build_classifier(config)
+        classifier = config() if callable(config) else train.build_classifier(config)
         classifier.network.set_weights(initial_weights)
     classifier.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
     return classifier.network.get_weights()
+
+
+def train_same_start(runs, *, steps: int = 3, dataset=None, initial=None) -> tuple:
+    """Trains every run of ``runs``, (config, strategy) pairs, ``steps`` steps of the same batches from the
+    same weights; returns (initial weights, [the network's weights after each run]).
+
+    A run's config is a Config or a callable returning a compiled Classifier (see train_from). ``initial``:
+    the starting weights, by default those of the first run's network (a Config) built with Keras seed 0.
+    ``dataset``: by default equivalence_batches(steps)."""
+    from imagenet_tpu import train
+    dataset = dataset if dataset is not None else equivalence_batches(steps)
+    if initial is None:
+        keras.utils.set_random_seed(0)
+        initial = train.build_network(runs[0][0]).get_weights()
+    return initial, [train_from(config, initial, strategy, dataset, steps) for config, strategy in runs]
+
+
+def assert_same_training(test, reference: list, other: list, initial: list, *, atol: float, rtol: float,
+                         min_change: float = 1e-3, max_update_error: Optional[float] = None, msg: str = '') -> None:
+    """Asserts that the reference run's training moved some weight by more than ``min_change`` away from
+    ``initial`` (so that two runs which did nothing cannot pass as equal), and that ``other`` ends with the
+    reference's weights, each within ``atol`` + ``rtol`` x |reference| (test.assertAllClose).
+
+    ``max_update_error``: when set, also the change of each weight array, other - initial, must be the
+    reference's within this relative error (norm of the difference / norm of the reference's change), for
+    tolerances too wide to tell a run that trained from one that did not."""
+    moved = max(float(np.abs(w - w0).max()) for w, w0 in zip(reference, initial))
+    test.assertGreater(moved, min_change, f'training did not change the weights {msg}')
+    test.assertLen(other, len(reference))
+    for index, (a, b, w0) in enumerate(zip(reference, other, initial)):
+        test.assertAllClose(a, b, atol=atol, rtol=rtol, msg=f'weight {index} {msg}')
+        change = np.linalg.norm(a - w0)
+        if max_update_error is not None and change > 0:
+            test.assertLess(np.linalg.norm((b - w0) - (a - w0)) / change, max_update_error,
+                            f'change of weight {index} {msg}')

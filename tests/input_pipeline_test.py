@@ -83,10 +83,31 @@ class InputPipelineTest(tf.test.TestCase):
         images, labels = next(iter(input_pipeline.train_dataset(config)))
         self.assertEqual(images.shape, (8, 16, 16, 3))
         self.assertEqual(images.dtype, tf.float32)
-        self.assertTrue(np.all((labels.numpy() >= 0) & (labels.numpy() < 4)))
+        self.assertEqual(labels.dtype, tf.int32)
         # Pixels in 0..255 (the network standardizes them), spread over the range rather than constant.
         self.assertTrue(np.all(images.numpy() >= 0) and np.all(images.numpy() <= 255))
         self.assertGreater(float(np.std(images.numpy())), 10)
+
+        # Labels: on-disk labels 3..6 with label_offset=3, so a shift by anything else (or none) is seen. With
+        # the whole image as the crop (random_crop_min_area=1), each training image is its source image resized,
+        # perhaps mirrored: matched to it, its label must be that source's on-disk label minus 3.
+        shifted_dir = os.path.join(self.get_temp_dir(), 'labels_from_3')
+        source_images, disk_labels = helpers.write_dataset(shifted_dir, label_offset=3)['train']
+        self.assertCountEqual(set(disk_labels), [3, 4, 5, 6])
+        config = _config(shifted_dir, label_offset=3, random_crop_min_area=1.0, deterministic_input=True)
+        batches = list(input_pipeline.train_dataset(config).take(6))     # one data epoch: 48 images
+        images = np.concatenate([images.numpy() for images, _ in batches])
+        labels = np.concatenate([labels.numpy() for _, labels in batches])
+        # Reference: each JPEG as helpers.write_dataset encodes it, decoded whole and resized, as it is and mirrored.
+        decoded = np.stack([tf.io.decode_jpeg(tf.io.encode_jpeg(image, quality=95), dct_method='INTEGER_ACCURATE')
+                            for image in source_images]).astype(np.float32)
+        resized = tf.image.resize(decoded, [16, 16]).numpy()
+        candidates = np.concatenate([resized, resized[:, :, ::-1]])
+        distances = np.abs(images[:, np.newaxis] - candidates[np.newaxis]).mean(axis=(2, 3, 4))
+        source = distances.argmin(axis=1) % len(source_images)
+        self.assertLess(distances.min(axis=1).max(), 0.01)    # the same pixels (any other image: 25+ levels)
+        self.assertCountEqual(source, range(48))              # every training image once in the epoch
+        self.assertAllEqual(labels, disk_labels[source] - 3)
 
     def test_a_resumed_stream_continues_exactly_where_the_steps_left_it(self):
         # 48 images per epoch, 2 replicas of 4: 6 steps per epoch. Resuming after step k must give the batches

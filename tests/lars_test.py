@@ -1,6 +1,5 @@
 """LARS and RMSprop warm-up against NumPy implementations of their updates, step by step."""
 
-import dataclasses
 import os
 
 from absl.testing import parameterized
@@ -10,8 +9,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
-from imagenet_tpu import lars, rmsprop_warmup, schedules, train
-from imagenet_tpu.config import Config
+from imagenet_tpu import lars, rmsprop_warmup, schedules
 
 helpers.use_eight_cpus()
 
@@ -107,26 +105,10 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
 
     @pytest.mark.slow
     def test_eight_replicas_equal_one_device(self):
-        config = dataclasses.replace(EQUIVALENCE, optimizer='lars', learning_rate=2.0, lars_eeta=0.01)
-        single, multi, initial = train_both_ways(config)
-        self.assertGreater(max(np.abs(w - w0).max() for w, w0 in zip(single, initial)), 1e-4)
-        for a, b in zip(single, multi):
-            self.assertAllClose(a, b, atol=1e-5, rtol=1e-4)
-
-
-EQUIVALENCE = Config(depth=10, norm='none', num_classes=10, image_size=16, global_batch_size=16,
-                     num_train_images=48, warmup_epochs=0, lr_decay='cosine', train_epochs=1, weight_decay=1e-3,
-                     label_smoothing=0.1)
-
-
-def train_both_ways(config, steps=3):
-    """Trains config's network `steps` steps on 1 device and on 8 replicas from the same weights."""
-    dataset = helpers.equivalence_batches(steps)
-    keras.utils.set_random_seed(0)
-    initial = train.build_network(config).get_weights()
-    single = helpers.train_from(config, initial, tf.distribute.get_strategy(), dataset, steps)
-    multi = helpers.train_from(config, initial, helpers.mirrored(8), dataset, steps)
-    return single, multi, initial
+        config = helpers.tiny_config(optimizer='lars', learning_rate=2.0, lars_eeta=0.01)
+        initial, (single, multi) = helpers.train_same_start(
+            [(config, tf.distribute.get_strategy()), (config, helpers.mirrored(8))])
+        helpers.assert_same_training(self, single, multi, initial, atol=1e-5, rtol=1e-4, min_change=1e-4)
 
 
 def rmsprop_warmup_numpy(w, g, m, d, lr, alpha_sgd, eta_rms=3e-4, mu1=0.9, mu2=0.99, eps=1e-8):

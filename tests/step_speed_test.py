@@ -9,12 +9,11 @@ import tf_keras as keras
 
 import helpers
 from imagenet_tpu import input_pipeline, resnet, train
-from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
 
-SMALL = Config(depth=10, num_classes=10, image_size=32, global_batch_size=8, num_train_images=32, warmup_epochs=0,
-               lr_decay='cosine', base_learning_rate=0.2, train_epochs=1, weight_decay=1e-4, strategy='default')
+SMALL = helpers.tiny_config(norm='batch_norm', image_size=32, global_batch_size=8, num_train_images=32,
+                            base_learning_rate=0.2, weight_decay=1e-4, label_smoothing=0.0, strategy='default')
 
 
 class SpaceToDepthTest(tf.test.TestCase):
@@ -49,18 +48,14 @@ class SpaceToDepthTest(tf.test.TestCase):
 class ExecutionSettingsTest(tf.test.TestCase):
 
     def test_xla_and_steps_per_execution_give_the_same_weights(self):
+        settings = ((False, 1), (True, 1), (False, 4))     # (jit_compile, steps_per_execution)
+        runs = [(dataclasses.replace(SMALL, jit_compile=jit, steps_per_execution=per_call),
+                 tf.distribute.get_strategy()) for jit, per_call in settings]
         dataset = helpers.equivalence_batches(steps=4, batch=8, size=32).repeat()
-        keras.utils.set_random_seed(0)
-        initial = train.build_network(SMALL).get_weights()
-        results = {}
-        for jit, per_call in ((False, 1), (True, 1), (False, 4)):
-            config = dataclasses.replace(SMALL, jit_compile=jit, steps_per_execution=per_call)
-            results[(jit, per_call)] = helpers.train_from(config, initial, tf.distribute.get_strategy(), dataset, 4)
-        reference = results[(False, 1)]
-        self.assertGreater(max(np.abs(a - b).max() for a, b in zip(reference, initial)), 1e-3)
-        for key, weights in results.items():
-            for a, b in zip(reference, weights):
-                self.assertAllClose(a, b, atol=1e-4, rtol=1e-3, msg=str(key))
+        initial, (reference, *others) = helpers.train_same_start(runs, steps=4, dataset=dataset)
+        for setting, weights in zip(settings[1:], others):
+            helpers.assert_same_training(self, reference, weights, initial, atol=1e-4, rtol=1e-3, min_change=1e-3,
+                                         msg=f'jit_compile, steps_per_execution = {setting}')
 
 
 class MixedPrecisionTest(tf.test.TestCase):
@@ -92,9 +87,65 @@ class MixedPrecisionTest(tf.test.TestCase):
         self.assertLess(losses[-1], float(tf.reduce_mean(first)))
         self.assertTrue(np.all(np.isfinite(losses)))
 
-    def test_float16_uses_loss_scaling(self):
-        optimizer = train.build_optimizer(dataclasses.replace(SMALL, precision='mixed_float16'))
-        self.assertIsInstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+    def test_float16_step_matches_float32_where_unscaled_gradients_underflow(self):
+        # The loss of a step is the sum over its images divided by the global batch (train.Classifier), so a
+        # global batch of 2^20 images makes every gradient of a logit at most 2^-20 (|softmax - target| < 1):
+        # float16 subnormals, and the gradients flowing back into the convolutions, smaller still, underflow to
+        # 0 in float16. The linear scaling rule's rate (0.4 x 2^20 / 256) keeps the step the size of an ordinary
+        # one. No weight decay: its gradient is float32 and would move the weights with or without scaling.
+        float32 = helpers.tiny_config(global_batch_size=2 ** 20, weight_decay=0.0)
+        float16 = dataclasses.replace(float32, precision='mixed_float16')
+
+        def without_loss_scaling():
+            classifier = train.Classifier(train.build_network(float16), global_batch_size=float16.global_batch_size,
+                                          label_smoothing=float16.label_smoothing)
+            classifier.compile(optimizer=train.build_optimizer(float32))     # momentum SGD, no LossScaleOptimizer
+            return classifier
+
+        default = tf.distribute.get_strategy()
+        initial, (reference, scaled, unscaled) = helpers.train_same_start(
+            [(float32, default), (float16, default), (without_loss_scaling, default)], steps=1,
+            dataset=helpers.equivalence_batches(steps=1))
+        self.assertGreater(max(np.abs(w - w0).max() for w, w0 in zip(reference, initial)), 1e-3)
+        for index, (w0, w32, w16, w16_unscaled) in enumerate(zip(initial, reference, scaled, unscaled)):
+            change = w32 - w0
+            # Tolerance: float16 arithmetic alone makes this network's step differ from float32's by up to 9%
+            # (relative norm, per variable; measured at global batch 16, where loss scaling changes nothing).
+            error = np.linalg.norm((w16 - w0) - change) / np.linalg.norm(change)
+            self.assertLess(error, 0.15, f'weight {index} {w0.shape}')
+            if w0.ndim == 4:
+                # Without scaling every gradient of a convolution kernel underflowed: the step is lost.
+                self.assertAllEqual(w16_unscaled, w0, msg=f'weight {index} {w0.shape}')
+
+    def test_float16_step_with_non_finite_gradients_is_skipped_and_halves_the_loss_scale(self):
+        # keras.mixed_precision.LossScaleOptimizer's documented dynamic loss scaling: "If a nonfinite gradient is
+        # encountered, the count is reset back to zero, gradients are skipped that step, and the loss scale is
+        # halved"; after a step with finite gradients the count is 1 and the scale unchanged (it doubles only
+        # after dynamic_growth_steps, 2000, such steps).
+        keras.utils.set_random_seed(0)
+        classifier = train.build_classifier(helpers.tiny_config(precision='mixed_float16'))
+        optimizer = classifier.optimizer
+        initial_scale = float(optimizer.loss_scale)
+        rng = np.random.default_rng(0)
+        images = helpers.pixels(rng, (16, 16, 16, 3))
+        labels = rng.integers(0, 10, size=16).astype(np.int32)
+        variables = classifier.network.trainable_variables
+
+        def step(batch):
+            before = [v.numpy() for v in variables]
+            classifier.fit(tf.data.Dataset.from_tensors((batch, labels)), epochs=1, steps_per_epoch=1, verbose=0)
+            return before, [v.numpy() for v in variables]
+
+        before, after = step(images)
+        self.assertGreater(max(np.abs(a - b).max() for a, b in zip(after, before)), 1e-4)
+        self.assertEqual(float(optimizer.loss_scale), initial_scale)
+        self.assertEqual(int(optimizer.dynamic_counter), 1)
+        images[0, 0, 0, 0] = np.nan         # one pixel: that image's loss, hence every gradient, is NaN
+        before, after = step(images)
+        for index, (a, b) in enumerate(zip(after, before)):
+            self.assertAllEqual(a, b, msg=f'variable {index} changed in a skipped step')
+        self.assertEqual(float(optimizer.loss_scale), initial_scale / 2)
+        self.assertEqual(int(optimizer.dynamic_counter), 0)
 
 
 if __name__ == '__main__':

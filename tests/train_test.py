@@ -16,9 +16,7 @@ from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
 
-TINY = Config(depth=10, norm='none', num_classes=10, image_size=16, global_batch_size=16, eval_batch_size=16,
-              num_train_images=48, num_eval_images=20, base_learning_rate=0.4, warmup_epochs=0, lr_decay='cosine',
-              train_epochs=1, weight_decay=1e-3, label_smoothing=0.1, momentum=0.9)
+TINY = helpers.tiny_config()
 
 
 def _batches(count=3, batch=16, size=16, classes=10, seed=0):
@@ -79,15 +77,9 @@ class TrainStepTest(tf.test.TestCase, parameterized.TestCase):
         # No batch norm (norm='none'): plain BN normalizes per replica, so with BN the two runs would differ
         # by design. Everything else of the step (loss scaling by the global batch, weight decay scaled per
         # replica, label smoothing, gradient summation, momentum, schedule) must agree.
-        dataset = helpers.equivalence_batches()
-        keras.utils.set_random_seed(0)
-        initial = train.build_network(TINY).get_weights()
-        single_weights = helpers.train_from(TINY, initial, tf.distribute.get_strategy(), dataset)
-        multi_weights = helpers.train_from(TINY, initial, helpers.mirrored(8), dataset)
-        moved = max(np.abs(w - w0).max() for w, w0 in zip(single_weights, initial))
-        self.assertGreater(moved, 1e-3)  # training really changed the weights
-        for single, multi in zip(single_weights, multi_weights):
-            self.assertAllClose(single, multi, atol=1e-5, rtol=1e-4)
+        initial, (single, multi) = helpers.train_same_start(
+            [(TINY, tf.distribute.get_strategy()), (TINY, helpers.mirrored(8))])
+        helpers.assert_same_training(self, single, multi, initial, atol=1e-5, rtol=1e-4, min_change=1e-3)
 
 
 class ScheduleTest(tf.test.TestCase):
