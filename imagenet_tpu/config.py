@@ -1,145 +1,215 @@
-"""Config: every setting of a training run, as one frozen dataclass.
+"""Config: every setting of a training run, as one frozen dataclass, and the one place each setting is written.
 
-main.py builds it from absl flags; a Python user builds it directly (``Config(data_dir=..., ...)``) or with
-``dataclasses.replace``. The library reads settings only from here, never from flags.
+Each field carries its default, help text, choices and unit (``setting``'s metadata). main.py turns every field
+into a command-line flag of the same name; __post_init__ checks choices and bounds from the same metadata. A
+Python user builds a Config directly (``Config(data_dir=..., ...)``) or with ``dataclasses.replace``; the library
+reads settings only from here, never from flags. Adding a setting is one line below.
 """
 
 import dataclasses
+import typing
 from typing import Optional, Tuple
 
+from imagenet_tpu.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A setting or an input that cannot work; main.py prints its message as a one-line error."""
+__all__ = ['Config', 'ConfigError', 'SECTIONS', 'settings']
+
+SECTIONS = ('data', 'model', 'optimization', 'distribution', 'run')
 
 
-STRATEGIES = ('cpu', 'mirrored', 'multi_worker', 'tpu', 'default')
-NORMS = ('batch_norm', 'none')
-DECAYS = ('step', 'polynomial', 'cosine', 'slow_start')
-OPTIMIZERS = ('sgd', 'lars', 'rmsprop_warmup')
+def _section(name: str):
+    def setting(default, help: str, *, choices=None, unit: str = '', minimum=None, parse=None):   # noqa: A002
+        """A Config field: ``default``, one-sentence ``help``, optional ``choices``, ``unit`` and inclusive
+        ``minimum`` (checked when the value is not None), and for a flag whose text is not the value itself,
+        ``parse`` (text -> value)."""
+        return dataclasses.field(default=default, metadata={
+            'section': name, 'help': help, 'choices': tuple(choices) if choices else None, 'unit': unit,
+            'minimum': minimum, 'parse': parse})
+    return setting
+
+
+data, model, optimization, distribution, run = (_section(name) for name in SECTIONS)
+
+
+def parse_mesh_shape(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """'16x32' -> (16, 32); empty stays None."""
+    if not text:
+        return None
+    try:
+        x, y = (int(part) for part in text.lower().split('x'))
+    except ValueError:
+        raise ConfigError(f'--mesh_shape must look like 16x32 (chips in x and y), got {text!r}') from None
+    return x, y
+
+
+def parse_floats(items) -> Tuple[float, ...]:
+    """['30', '60'] or '30,60' -> (30.0, 60.0)."""
+    if isinstance(items, str):
+        items = [item for item in items.split(',') if item.strip()]
+    try:
+        return tuple(float(item) for item in items)
+    except ValueError:
+        raise ConfigError(f'expected a comma-separated list of numbers, got {",".join(items)!r}') from None
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     # Data.
-    data_dir: Optional[str] = None          # holds train-*-of-* and validation-*-of-* shards; None = synthetic
-    num_classes: int = 1000                 # classes the model predicts
-    label_offset: int = 1                   # on-disk label of model class 0 (ImageNet shards store 1..1000)
-    num_train_images: int = 1281167         # size of one training epoch, in images
-    num_eval_images: int = 50000            # validation images; every one is evaluated
-    image_size: int = 224                   # side of the square network input, in pixels
-    random_crop_min_area: float = 0.08      # smallest crop, as a fraction of the image area
-    crop_boxes: bool = False                # sample crops against the record's ILSVRC boxes; False: whole image
-    eval_crop_fraction: float = 0.875       # evaluation keeps this share of the shorter side, centred
-    eval_crop_padding: Optional[int] = None     # when set: image_size / (image_size + padding) instead (tpu: 32)
-    random_flip: bool = True
-    shuffle_buffer: int = 10000             # in records, per input pipeline
-    interleave_cycle_length: int = 16       # training files read at once per input pipeline
-    interleave_block_length: int = 1        # consecutive records taken from one file before moving on
-    read_buffer_mb: float = 8.0             # read buffer of each open TFRecord file
-    input_threads: int = 0                  # private tf.data thread pool size per pipeline; 0 = TensorFlow's pool
-    deterministic_input: bool = False       # reproducible record order (exact resume); False lets tf.data reorder
-    input_cache: str = 'none'               # 'none', 'records' (encoded, in memory) or 'images' (decoded; small sets)
-    bad_records: str = 'skip'               # 'skip': skip and count undecodable records; 'fatal': stop the run
-    prefetch_to_device: int = 2             # batches buffered on each replica's device
+    data_dir: Optional[str] = data(None, 'Directory of train-*-of-* and validation-*-of-* TFRecord shards.')
+    synthetic_data: bool = data(False, 'Train on one fixed random batch (no input cost, no evaluation): measures '
+                                       'the model alone.')
+    num_classes: int = data(1000, 'Classes the model predicts.', minimum=1)
+    label_offset: int = data(1, 'On-disk label of model class 0. ImageNet shards store 1..1000: 1 with '
+                                '--num_classes=1000, or 0 with --num_classes=1001 (unused background class 0).')
+    num_train_images: int = data(1281167, 'Images in one training epoch (ImageNet: 1,281,167).', unit='images',
+                                 minimum=1)
+    num_eval_images: int = data(50000, 'Validation images (ImageNet: 50,000); every one is evaluated.',
+                                unit='images', minimum=1)
+    image_size: int = data(224, 'Side of the square network input.', unit='pixels', minimum=1)
+    random_crop_min_area: float = data(0.08, 'Smallest random crop as a fraction of the image area (Inception: '
+                                             '0.08).')
+    crop_boxes: bool = data(False, "Sample training crops to cover at least 10% of one of the record's ILSVRC "
+                                   'boxes. Off: against the whole image, as tensorflow/tpu, the MLPerf submissions '
+                                   'and tf-models-official do.')
+    eval_crop_fraction: float = data(0.875, 'Evaluation keeps this share of the shorter side, centred (224 of '
+                                            '256).')
+    eval_crop_padding: Optional[int] = data(None, "Instead of --eval_crop_fraction, tensorflow/tpu's convention: "
+                                                  'keep image_size / (image_size + padding) of the shorter side '
+                                                  '(its CROP_PADDING is 32: 0.875 at 224, 0.8 at 128).',
+                                            unit='pixels', minimum=0)
+    random_flip: bool = data(True, 'Random left-right flips in training.')
+    shuffle_buffer: int = data(10000, 'Records in the shuffle buffer of each input pipeline.', unit='records',
+                               minimum=1)
+    interleave_cycle_length: int = data(16, 'Training files read at once by each input pipeline.', minimum=1)
+    interleave_block_length: int = data(1, 'Consecutive records taken from one file before the next.', minimum=1)
+    read_buffer_mb: float = data(8.0, 'Read buffer of each open TFRecord file.', unit='MiB')
+    input_threads: int = data(0, "Threads of each input pipeline's private pool (0: TensorFlow's shared pool).",
+                              minimum=0)
+    input_cache: str = data('none', 'Keep the training set in memory: encoded records, or decoded images (small '
+                                    'sets only: about 500 KB per ImageNet image).',
+                            choices=('none', 'records', 'images'))
+    bad_records: str = data('skip', 'A record whose JPEG does not decode, that lacks a feature or has a label '
+                                    'out of range, or a TFRecord file cut mid-record: skip and count it, or stop.',
+                            choices=('skip', 'fatal'))
+    prefetch_to_device: int = data(2, "Batches buffered on each replica's device.", unit='batches', minimum=0)
 
     # Model.
-    depth: int = 50                         # ResNet depth: 10, 18, 34, 50, 101, 152 or 200
-    norm: str = 'batch_norm'                # 'batch_norm' or 'none' (no normalization layers)
-    space_to_depth: bool = False            # MLPerf v0.7 TPU stem: 2x2 space-to-depth input, 4x4 stride-1 conv
-    precision: str = 'float32'              # 'float32', 'mixed_bfloat16' (TPU, recent CPUs) or 'mixed_float16' (GPU)
-    jit_compile: Optional[bool] = None      # XLA-compile the train step; None: on with GPUs, else off (TPUs always)
-    steps_per_execution: Optional[int] = None   # steps per host call; None: 100 (capped by an epoch) on TPU, else 1
-    bn_momentum: float = 0.9
-    bn_epsilon: float = 1e-5
-    bn_group_size: int = 1                  # replicas whose batches one batch norm normalizes over (1 = per replica)
-    bn_span: Optional[int] = None           # images per batch norm; when set, bn_group_size = span / per-replica batch
-    bn_inference_statistics: str = 'moving_average'   # 'moving_average', 'last_batch' (Akiba) or 'reestimate'
-    bn_reestimate_batches: int = 10         # training batches that 'reestimate' pools before each evaluation
-    mesh_shape: Optional[Tuple[int, int]] = None      # (X, Y) chips of the TPU torus: BN groups become 2-D tiles
-    cores_per_chip: int = 2                 # replicas per chip on the mesh (TPU v3: 2)
+    depth: int = model(50, 'ResNet depth.', choices=(10, 18, 34, 50, 101, 152, 200))
+    norm: str = model('batch_norm', 'Normalization layers.', choices=('batch_norm', 'none'))
+    space_to_depth: bool = model(False, "MLPerf v0.7's TPU stem: 2x2 space-to-depth images and a 4x4 stride-1 "
+                                        'convolution, exactly equivalent to the 7x7 stride-2 one.')
+    precision: str = model('float32', 'Compute precision: mixed_bfloat16 on TPU (and CPUs with bfloat16), '
+                                      'mixed_float16 with loss scaling on GPU. Variables, BN statistics and the loss '
+                                      'stay float32.', choices=('float32', 'mixed_bfloat16', 'mixed_float16'))
+    jit_compile: Optional[bool] = model(None, 'XLA-compile the train step (default: on with GPUs, off on CPUs; '
+                                              'TPUs always compile).')
+    steps_per_execution: Optional[int] = model(None, 'Training steps per host call (default: 100 on TPU, capped '
+                                                     'by an epoch; 1 elsewhere).', unit='steps', minimum=1)
+    bn_momentum: float = model(0.9, 'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short '
+                                    'runs).')
+    bn_epsilon: float = model(1e-5, 'Batch-norm epsilon.')
+    bn_group_size: int = model(1, 'Replicas per batch-norm group (1: per replica). Must divide the replica count.',
+                               unit='replicas', minimum=1)
+    bn_span: Optional[int] = model(None, 'Images per batch norm (Ying et al.: ~32-64); sets the group size to '
+                                         'span / per-replica batch. Overrides --bn_group_size.',
+                                   unit='images', minimum=1)
+    bn_inference_statistics: str = model(
+        'moving_average', "Statistics used for evaluation and export: moving averages; 'last_batch' (Akiba et "
+                          "al.: the last training batch's, over all replicas); 'reestimate' "
+                          '(--bn_reestimate_batches training batches before each evaluation).',
+        choices=('moving_average', 'last_batch', 'reestimate'))
+    bn_reestimate_batches: int = model(10, "Training batches pooled by --bn_inference_statistics=reestimate.",
+                                       unit='batches', minimum=1)
+    mesh_shape: Optional[Tuple[int, int]] = model(
+        None, 'Torus as XxY chips (e.g. 16x32): batch-norm groups become 2-D tiles of neighbouring chips, and '
+              '--allreduce=2d uses rows of X chips. Default: contiguous BN groups; for 2d, the TPU topology or a '
+              'square mesh.', parse=parse_mesh_shape)
+    cores_per_chip: int = model(2, 'Replicas per chip on --mesh_shape (TPU v3: 2).', minimum=1)
 
     # Optimization.
-    global_batch_size: int = 1024           # images per step summed over all replicas
-    eval_batch_size: int = 1024             # images per evaluation step summed over all replicas
-    train_epochs: float = 90.0
-    total_steps: Optional[int] = None       # when set, the run's length in steps (overrides train_epochs)
-    optimizer: str = 'sgd'                  # 'sgd' (momentum), 'lars' or 'rmsprop_warmup' (Akiba et al.)
-    base_learning_rate: float = 0.1         # per 256 images: lr = base_learning_rate * global_batch_size / 256
-    learning_rate: Optional[float] = None   # when set, the peak learning rate itself (overrides base_learning_rate)
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 1e-4              # L2 on conv and dense kernels; never on BN parameters or biases
-    label_smoothing: float = 0.0
-    lars_eeta: float = 0.001                # LARS trust coefficient
-    lars_epsilon: float = 0.0               # added to the LARS trust ratio's denominator
-    lars_trust_ratio: str = 'mlperf'        # 'mlperf' (MLPerf / TF contrib) or 'tfm' (tf-models-official)
-    rms_learning_rate: float = 3e-4         # eta_rms of RMSprop warm-up
-    alpha_sgd_center_epochs: float = 10.0   # RMSprop warm-up: alpha_sgd = 1/2 here
-    alpha_sgd_period_epochs: float = 5.0    # RMSprop warm-up: alpha_sgd reaches 1 at center + period / 2
-    warmup_epochs: float = 5.0
-    lr_decay: str = 'step'                  # 'step' (x0.1 at lr_decay_epochs), 'polynomial', 'cosine', 'slow_start'
-    lr_decay_epochs: Tuple[float, ...] = (30.0, 60.0, 80.0)
-    end_learning_rate: float = 1e-4         # for 'polynomial'
-    polynomial_power: float = 2.0
+    global_batch_size: int = optimization(1024, 'Images per training step, summed over all replicas.',
+                                          unit='images', minimum=1)
+    eval_batch_size: int = optimization(1024, 'Images per evaluation step, summed over all replicas.',
+                                        unit='images', minimum=1)
+    train_epochs: float = optimization(90.0, 'Length of training.', unit='epochs')
+    total_steps: Optional[int] = optimization(None, 'Length of training in steps; overrides --train_epochs (MLPerf '
+                                                    'recipes state steps).', unit='steps', minimum=1)
+    optimizer: str = optimization('sgd', "'sgd' (momentum), 'lars' (large batch), 'rmsprop_warmup' (Akiba et "
+                                         'al.).', choices=('sgd', 'lars', 'rmsprop_warmup'))
+    base_learning_rate: float = optimization(0.1, 'Learning rate per 256 images; the peak is base_learning_rate * '
+                                                  'global_batch_size / 256 (Goyal et al.).')
+    learning_rate: Optional[float] = optimization(None, 'Peak learning rate itself; overrides --base_learning_rate '
+                                                        '(the LARS recipes state it: 31.2 at batch 32k).')
+    momentum: float = optimization(0.9, 'Momentum of SGD, LARS and RMSprop warm-up (mu1).')
+    nesterov: bool = optimization(False, 'Nesterov momentum (sgd, lars).')
+    weight_decay: float = optimization(1e-4, 'L2 weight decay on kernels (never on batch-norm parameters or '
+                                             'biases).')
+    label_smoothing: float = optimization(0.0, 'Label smoothing (0.1 in the large-batch recipes).')
+    lars_eeta: float = optimization(0.001, 'LARS trust coefficient (MLPerf: 0.001).')
+    lars_epsilon: float = optimization(0.0, 'Added to the LARS trust-ratio denominator (MLPerf v0.6: 1e-5, v0.7: '
+                                            '0).')
+    lars_trust_ratio: str = optimization('mlperf', "LARS trust ratio: 'mlperf' (MLPerf / TF contrib) or 'tfm' "
+                                                   '(tf-models-official, to reuse its hyperparameters).',
+                                         choices=('mlperf', 'tfm'))
+    rms_learning_rate: float = optimization(3e-4, 'RMSprop warm-up: rate of the RMSprop part (Akiba et al.: '
+                                                  '3e-4).')
+    alpha_sgd_center_epochs: float = optimization(10.0, 'RMSprop warm-up: epoch where the blend is half SGD '
+                                                        '(Akiba: 10).', unit='epochs')
+    alpha_sgd_period_epochs: float = optimization(5.0, 'RMSprop warm-up: pure SGD from center + period/2 '
+                                                       '(Akiba: 5).', unit='epochs')
+    warmup_epochs: float = optimization(5.0, 'Linear warm-up from 0.', unit='epochs')
+    lr_decay: str = optimization('step', "Decay after warm-up; 'slow_start' is Akiba et al.'s "
+                                         'x0.5/0.075/0.01/0.001 at epochs 0/40/70/85.',
+                                 choices=('step', 'polynomial', 'cosine', 'slow_start'))
+    lr_decay_epochs: Tuple[float, ...] = optimization((30.0, 60.0, 80.0), "Epochs at which 'step' decay "
+                                                                          'multiplies the rate by 0.1.',
+                                                      unit='epochs', parse=parse_floats)
+    end_learning_rate: float = optimization(1e-4, "Final rate of 'polynomial' decay.")
+    polynomial_power: float = optimization(2.0, "Power of 'polynomial' decay (MLPerf: 2).")
 
     # Distribution.
-    allreduce: str = 'default'              # gradient summation: the strategy's own, or '2d' (collectives.all_reduce_2d)
-    allreduce_dtype: str = 'float32'        # 'bfloat16' sums gradients in half the bytes ('2d' only)
-    allreduce_bucket_mb: float = 32.0       # gradients are packed into buckets of about this size ('2d')
-    strategy: str = 'cpu'                   # 'cpu', 'mirrored' (GPUs), 'multi_worker', 'tpu' or 'default'
-    num_cpu_devices: int = 8                # logical CPU devices for strategy='cpu'
-    tpu: str = ''                           # TPU name or 'local', for strategy='tpu'
+    allreduce: str = distribution('default', "Gradient summation: the strategy's own all-reduce, or '2d' (Ying et "
+                                             "al.'s 2-D torus all-reduce: reduce-scatter in rows, all-reduce in "
+                                             'columns, all-gather in rows).', choices=('default', '2d'))
+    allreduce_dtype: str = distribution('float32', 'Type gradients are summed in with --allreduce=2d (bfloat16: '
+                                                   'half the bytes).', choices=('float32', 'bfloat16'))
+    allreduce_bucket_mb: float = distribution(32.0, 'With --allreduce=2d, gradients are packed into buckets of '
+                                                    'about this size (a ResNet-50 has ~160 gradient tensors).',
+                                              unit='MiB')
+    strategy: str = distribution('cpu', "'cpu' (N logical CPU devices), 'mirrored' (local GPUs), 'multi_worker' "
+                                        "(TF_CONFIG), 'tpu' or 'default' (no distribution).",
+                                 choices=('cpu', 'mirrored', 'multi_worker', 'tpu', 'default'))
+    num_cpu_devices: int = distribution(8, 'Logical CPU devices (replicas) for --strategy=cpu.', minimum=1)
+    tpu: str = distribution('', "TPU name, or 'local' on a TPU VM.")
 
     # Run.
-    model_dir: Optional[str] = None         # checkpoints and TensorBoard logs; None = neither
-    export_saved_model: bool = False        # write model_dir/saved_model (images -> logits) at the end
-    checkpoint_every_steps: int = 1000
-    eval_every_epochs: int = 1
-    log_every_steps: int = 100              # progress lines inside an epoch
-    seed: Optional[int] = None
+    model_dir: Optional[str] = run(None, 'Checkpoints, TensorBoard logs and results.json; a run restarted with the '
+                                         'same model_dir resumes from its latest checkpoint.')
+    export_saved_model: bool = run(False, 'Write MODEL_DIR/saved_model (images -> logits, inference mode) at the '
+                                          'end of training.')
+    checkpoint_every_steps: int = run(1000, 'Steps between checkpoints (one more is written at the end).',
+                                      unit='steps', minimum=1)
+    eval_every_epochs: int = run(1, 'Epochs between evaluations on the validation set.', unit='epochs', minimum=1)
+    log_every_steps: int = run(100, 'Steps between progress lines inside an epoch (0: once per epoch).',
+                               unit='steps', minimum=0)
+    seed: Optional[int] = run(None, 'Seed of initialization and of the data order (None: random initialization; '
+                                    'the data order then uses seed 0, so a resumed run continues it).')
+    deterministic: bool = run(False, 'Reproducible runs: deterministic TensorFlow ops and record order, so a run '
+                                     'resumed after a crash ends with the same weights as an uninterrupted one '
+                                     '(slower input on slow file systems).')
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f'unknown strategy {self.strategy!r}; choose one of {", ".join(STRATEGIES)}')
-        if self.norm not in NORMS:
-            raise ConfigError(f'unknown norm {self.norm!r}; choose one of {", ".join(NORMS)}')
-        if self.lr_decay not in DECAYS:
-            raise ConfigError(f'unknown lr_decay {self.lr_decay!r}; choose one of {", ".join(DECAYS)}')
-        for name in ('global_batch_size', 'eval_batch_size', 'num_classes', 'image_size', 'num_train_images',
-                     'num_eval_images', 'checkpoint_every_steps', 'eval_every_epochs', 'num_cpu_devices'):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f'{name} must be positive, got {getattr(self, name)}')
-        if self.bn_inference_statistics not in ('moving_average', 'last_batch', 'reestimate'):
-            raise ConfigError(f"bn_inference_statistics must be 'moving_average', 'last_batch' or 'reestimate', "
-                              f'got {self.bn_inference_statistics!r}')
-        if self.bn_group_size < 1 or (self.bn_span is not None and self.bn_span < 1):
-            raise ConfigError('bn_group_size and bn_span must be positive')
-        if self.allreduce not in ('default', '2d') or self.allreduce_dtype not in ('float32', 'bfloat16'):
-            raise ConfigError(f"allreduce must be 'default' or '2d' and allreduce_dtype 'float32' or 'bfloat16', "
-                              f'got {self.allreduce!r}, {self.allreduce_dtype!r}')
-        if self.precision not in ('float32', 'mixed_bfloat16', 'mixed_float16'):
-            raise ConfigError(f"precision must be 'float32', 'mixed_bfloat16' or 'mixed_float16', "
-                              f'got {self.precision!r}')
-        if self.steps_per_execution is not None and self.steps_per_execution < 1:
-            raise ConfigError(f'steps_per_execution must be positive, got {self.steps_per_execution}')
-        if self.bad_records not in ('skip', 'fatal'):
-            raise ConfigError(f"bad_records must be 'skip' or 'fatal', got {self.bad_records!r}")
-        if self.input_cache not in ('none', 'records', 'images'):
-            raise ConfigError(f"input_cache must be 'none', 'records' or 'images', got {self.input_cache!r}")
-        if not 0 < self.eval_crop_fraction <= 1 or (self.eval_crop_padding is not None and self.eval_crop_padding < 0):
-            raise ConfigError(f'eval_crop_fraction must be in (0, 1] and eval_crop_padding non-negative, got '
-                              f'{self.eval_crop_fraction}, {self.eval_crop_padding}')
+        for field in dataclasses.fields(self):
+            value, choices, minimum = getattr(self, field.name), field.metadata['choices'], field.metadata['minimum']
+            if choices and value not in choices:
+                raise ConfigError(f'unknown {field.name} {value!r}; choose one of '
+                                  f'{", ".join(str(choice) for choice in choices)}')
+            if minimum is not None and value is not None and value < minimum:
+                raise ConfigError(f'{field.name} must be at least {minimum}, got {value}')
+        if not 0 < self.eval_crop_fraction <= 1:
+            raise ConfigError(f'eval_crop_fraction must be in (0, 1], got {self.eval_crop_fraction}')
         if self.crop_boxes and self.input_cache == 'images':
             raise ConfigError("crop_boxes needs the records' boxes, which input_cache='images' does not keep")
-        if self.interleave_cycle_length < 1 or self.interleave_block_length < 1 or self.input_threads < 0:
-            raise ConfigError('interleave_cycle_length and interleave_block_length must be positive and '
-                              'input_threads non-negative')
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f'unknown optimizer {self.optimizer!r}; choose one of {", ".join(OPTIMIZERS)}')
-        if self.lars_trust_ratio not in ('mlperf', 'tfm'):
-            raise ConfigError(f"lars_trust_ratio must be 'mlperf' or 'tfm', got {self.lars_trust_ratio!r}")
-        if self.total_steps is not None and self.total_steps <= 0:
-            raise ConfigError(f'total_steps must be positive, got {self.total_steps}')
         if not 0 < self.random_crop_min_area <= 1:
             raise ConfigError(f'random_crop_min_area must be in (0, 1], got {self.random_crop_min_area}')
         if not 0 <= self.label_smoothing < 1:
@@ -206,3 +276,16 @@ class Config:
         if self.learning_rate is not None:
             return self.learning_rate
         return self.base_learning_rate * self.global_batch_size / 256
+
+
+def settings():
+    """(field, type without Optional) of every setting, in declaration order: what main.py makes flags from."""
+    hints = typing.get_type_hints(Config)
+    result = []
+    for field in dataclasses.fields(Config):
+        kind = hints[field.name]
+        arguments = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(arguments) == 1:
+            kind = arguments[0]
+        result.append((field, kind))
+    return result

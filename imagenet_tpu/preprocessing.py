@@ -14,7 +14,7 @@ STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 # libjpeg's accurate integer IDCT: the pixels PIL and other reference decoders produce (TensorFlow's default,
 # the fast IDCT, differs by 1.3 grey levels on average and up to 18 on scikit-learn's china.jpg) at the same
-# speed here (0.21 ms for a 300x300 crop either way, libjpeg-turbo with AVX-512).
+# speed (0.21 ms for a 300x300 crop either way, libjpeg-turbo with AVX-512).
 DCT_METHOD = 'INTEGER_ACCURATE'
 
 # Evaluation keeps the central 87.5% of the shorter side (224 of 256, the usual ImageNet protocol).

@@ -7,7 +7,7 @@ initializes its devices, so ``use_logical_cpus`` is called first thing in a proc
 import tensorflow as tf
 
 from imagenet_tpu import collectives
-from imagenet_tpu.config import ConfigError
+from imagenet_tpu.errors import ConfigError
 
 
 def use_logical_cpus(count: int) -> None:
@@ -35,7 +35,7 @@ def mirrored_strategy(devices=None, cross_device_ops=None) -> tf.distribute.Mirr
     TF 2.20 starts every MirroredStrategy's collective group and instance keys at the same numbers
     (the class attribute _collective_key_base is never advanced), so a second strategy in one process, in a
     notebook or a test suite, reuses the keys of the first and its all-reduces fail with "Shape mismatch in the
-    collective instance" (seen here). TensorFlow's own tests advance the base by hand; so do we.
+    collective instance" (seen with TF 2.20). TensorFlow's own tests advance the base by hand; so do we.
     """
     tf.distribute.MirroredStrategy._collective_key_base += _COLLECTIVE_KEY_SPACING
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
@@ -45,7 +45,7 @@ def cpu_strategy(count: int) -> tf.distribute.MirroredStrategy:
     """MirroredStrategy over ``count`` logical CPU devices, reducing on one device.
 
     TF 2.20 gives MirroredStrategy on CPU devices ring collectives by default. Between logical devices that share
-    one memory that is the slow choice: on 8 devices here an all-reduce of 513 floats (a batch norm's
+    one memory that is the slow choice: on 8 logical devices of a 2-core CPU an all-reduce of 513 floats (a batch norm's
     statistics) took 0.75 ms against 0.066 ms with ReductionToOneDevice (copy to one device, add, copy back),
     ResNet-50's 25.6 M gradient values 365 ms against 114 ms; replica-group batch norm's ~100 small all-reduces
     per ResNet-50 step cost 15-21% step time with the ring and 0-5% this way (benchmark_distributed.py).
@@ -60,10 +60,27 @@ def cpu_strategy(count: int) -> tf.distribute.MirroredStrategy:
 _TPU_TOPOLOGY = {}
 
 
+def tpu_unreachable_message(tpu: str, error: BaseException) -> str:
+    """One line for a TPU that cannot be reached, naming the likely fix for the kind of failure."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if 'TPUs not found' in detail or 'ConfigureDistributedTPU' in detail or 'No OpKernel' in detail:
+        cause = ('this TensorFlow has no TPU kernels or sees no TPU: on a TPU VM install tensorflow-tpu '
+                 '(BUILD.md) and use --tpu=local')
+    elif tpu != 'local':
+        cause = f'no TPU named {tpu!r} answers: check the name and zone, or use --tpu=local on a TPU VM'
+    else:
+        cause = 'this machine is not a TPU VM, or its TPU is in use by another process'
+    detail = detail if len(detail) <= 160 else detail[:157] + '...'
+    return f"cannot start the TPU system for --tpu={tpu} ({cause}; or run on CPUs with --strategy=cpu): {detail}"
+
+
 def _tpu_strategy(tpu: str) -> tf.distribute.Strategy:
-    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
-    tf.config.experimental_connect_to_cluster(resolver)
-    topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (tf.errors.OpError, OSError, ValueError, RuntimeError) as error:
+        raise ConfigError(tpu_unreachable_message(tpu, error)) from None
     strategy = tf.distribute.TPUStrategy(resolver)
     _TPU_TOPOLOGY[id(strategy)] = topology
     return strategy

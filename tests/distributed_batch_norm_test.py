@@ -11,7 +11,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
-from imagenet_tpu import batch_norm, input_pipeline, resnet, train
+from imagenet_tpu import batch_norm, checkpointing, classifier as classifier_lib, input_pipeline, resnet, train
 from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
@@ -41,7 +41,7 @@ class SynchronizedTrainingTest(tf.test.TestCase):
 
         def classifier():
             network = resnet.resnet(10, 10, image_size=16, norm=norm)
-            classifier = train.Classifier(network, global_batch_size=16, weight_decay=1e-4)
+            classifier = classifier_lib.Classifier(network, global_batch_size=16, weight_decay=1e-4)
             classifier.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
             return classifier
 
@@ -80,7 +80,7 @@ class TrainWithGroupsTest(tf.test.TestCase):
         # The distributed model, restored from the last checkpoint and run on 8 replicas.
         with strategy.scope():
             restored = train.build_classifier(config)
-        train.restore_latest(train.checkpoint_manager(restored, config.model_dir))
+        checkpointing.restore_latest(checkpointing.checkpoint_manager(restored, config.model_dir))
         per_replica = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(images[:16]))
         # (from_tensors of 16 images: each of the 4 replicas gets 4)
         outputs = strategy.run(lambda x: restored.network(x, training=False), args=(next(iter(per_replica)),))

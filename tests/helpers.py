@@ -149,7 +149,7 @@ def train_from(config, initial_weights, strategy, dataset, steps: int = 3) -> li
     with model.fit and returns the network's weights.
 
     ``config``: a Config (the classifier is train.build_classifier(config)) or a callable returning a compiled
-    train.Classifier; either is used inside ``strategy.scope()``."""
+    classifier_lib.Classifier; either is used inside ``strategy.scope()``."""
     from imagenet_tpu import train
     with strategy.scope():
         classifier = config() if callable(config) else train.build_classifier(config)

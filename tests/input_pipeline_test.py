@@ -7,8 +7,8 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import input_pipeline, preprocessing, tfrecord
-from imagenet_tpu.config import Config, ConfigError
+from imagenet_tpu import errors, input_pipeline, preprocessing, record_io, tfrecord
+from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
 
@@ -72,7 +72,7 @@ class InputPipelineTest(tf.test.TestCase):
         self.assertLen(set(fingerprints), 20)
 
     def test_training_files_are_split_between_hosts(self):
-        paths = input_pipeline.list_shards(self.data_dir, 'train')
+        paths = record_io.list_shards(self.data_dir, 'train')
         shares = [input_pipeline._shard_files(paths, tf.distribute.InputContext(2, host, 4))
                   for host in range(2)]
         self.assertEqual(set(shares[0]) & set(shares[1]), set())
@@ -94,7 +94,7 @@ class InputPipelineTest(tf.test.TestCase):
         shifted_dir = os.path.join(self.get_temp_dir(), 'labels_from_3')
         source_images, disk_labels = helpers.write_dataset(shifted_dir, label_offset=3)['train']
         self.assertCountEqual(set(disk_labels), [3, 4, 5, 6])
-        config = _config(shifted_dir, label_offset=3, random_crop_min_area=1.0, deterministic_input=True)
+        config = _config(shifted_dir, label_offset=3, random_crop_min_area=1.0, deterministic=True)
         batches = list(input_pipeline.train_dataset(config).take(6))     # one data epoch: 48 images
         images = np.concatenate([images.numpy() for images, _ in batches])
         labels = np.concatenate([labels.numpy() for _, labels in batches])
@@ -112,7 +112,7 @@ class InputPipelineTest(tf.test.TestCase):
     def test_a_resumed_stream_continues_exactly_where_the_steps_left_it(self):
         # 48 images per epoch, 2 replicas of 4: 6 steps per epoch. Resuming after step k must give the batches
         # an uninterrupted stream gives from batch 2k on: mid-epoch, at an epoch end, and epochs later.
-        config = _config(self.data_dir, deterministic_input=True)
+        config = _config(self.data_dir, deterministic=True)
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2)
         stream = [images.numpy() for images, _ in input_pipeline.train_dataset(config, context).take(44)]
         for step in (4, 6, 17):
@@ -125,7 +125,7 @@ class InputPipelineTest(tf.test.TestCase):
 
     def test_each_pipelines_resumed_stream_continues_its_own_stream(self):
         # 2 pipelines of one replica each, 2 files (24 images) apiece: a step takes 4 records from each.
-        config = _config(self.data_dir, deterministic_input=True)
+        config = _config(self.data_dir, deterministic=True)
         for pipeline in (0, 1):
             context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline,
                                                  num_replicas_in_sync=2)
@@ -146,7 +146,7 @@ class InputPipelineTest(tf.test.TestCase):
                     for index, image in enumerate(images)]
         for shard in range(2):
             tfrecord.write_shard(os.path.join(same_dir, tfrecord.shard_name('train', shard, 2)), examples)
-        config = _config(same_dir, deterministic_input=True, num_train_images=24)
+        config = _config(same_dir, deterministic=True, num_train_images=24)
         streams = []
         for pipeline in (0, 1):
             context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline,
@@ -168,7 +168,7 @@ class InputPipelineTest(tf.test.TestCase):
                                               boxes=boxes) for seed in range(8)]
             tfrecord.write_shard(os.path.join(data_dir, tfrecord.shard_name('train', 0, 1)), examples)
             for crop_boxes in (False, True):
-                config = _config(data_dir, deterministic_input=True, num_train_images=8, crop_boxes=crop_boxes)
+                config = _config(data_dir, deterministic=True, num_train_images=8, crop_boxes=crop_boxes)
                 streams[name, crop_boxes] = np.concatenate(
                     [images.numpy() for images, _ in input_pipeline.train_dataset(config).take(2)])
         self.assertAllEqual(streams['boxed', False], streams['plain', False])
@@ -184,24 +184,24 @@ class InputPipelineTest(tf.test.TestCase):
 
     def test_label_outside_model_range_is_a_clear_error(self):
         config = _config(self.data_dir, num_classes=3)  # disk label 4 (in train shard 3) -> model label 3, out of range
-        with self.assertRaisesRegex(ConfigError, r'on-disk label 4 is outside \[1, 4\)'):
-            input_pipeline.check_labels(input_pipeline.list_shards(self.data_dir, 'train')[3], config)
+        with self.assertRaisesRegex(errors.DataError, r'on-disk label 4 is outside \[1, 4\)'):
+            record_io.check_labels(record_io.list_shards(self.data_dir, 'train')[3], config)
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'label out of range'):
             for _ in input_pipeline.eval_dataset(dataclasses.replace(config, bad_records='fatal')):
                 pass
         # Skipping instead: the 5 validation images of label 4 are counted, the other 15 evaluated.
-        counts = input_pipeline.SkipCounts()
+        counts = record_io.SkipCounts()
         weights = [b[2].numpy() for b in input_pipeline.eval_dataset(config, skip_counts=counts)]
         self.assertEqual(np.sum(weights), 15)
         self.assertEqual(counts.totals(), {'bad_records': 5, 'truncated_files': 0})
 
     def test_missing_and_empty_data_dir(self):
-        with self.assertRaisesRegex(ConfigError, 'does not exist'):
-            input_pipeline.list_shards(os.path.join(self.data_dir, 'nope'), 'train')
+        with self.assertRaisesRegex(errors.DataError, 'does not exist'):
+            record_io.list_shards(os.path.join(self.data_dir, 'nope'), 'train')
         empty = os.path.join(self.get_temp_dir(), 'empty')
         os.makedirs(empty, exist_ok=True)
-        with self.assertRaisesRegex(ConfigError, 'no train files matching train-\\*-of-\\*'):
-            input_pipeline.list_shards(empty, 'train')
+        with self.assertRaisesRegex(errors.DataError, 'no train files matching train-\\*-of-\\*'):
+            record_io.list_shards(empty, 'train')
 
     def test_synthetic_batches(self):
         images, labels = next(iter(input_pipeline.synthetic_dataset(_config(None))))

@@ -1,6 +1,7 @@
 """The command line: each bad input ends with one clear line and a non-zero exit, never a traceback."""
 
 import contextlib
+import dataclasses
 import glob
 import io
 import json
@@ -15,7 +16,8 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import main, train
+from imagenet_tpu import config as config_lib, main, train
+from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
 
@@ -145,6 +147,62 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
     def test_one_line_error_in_a_real_process(self):
         self.assert_one_line_error(SMALL + ['--data_dir=' + self.unreadable_dir], 'cannot read .*train-00001-of-00004',
                                    run=run_main)
+
+    def test_a_tpu_recipe_without_a_tpu_is_one_line_naming_the_fix(self):
+        if tf.config.list_logical_devices('TPU'):
+            self.skipTest('this machine has a TPU')
+        self.assert_one_line_error([f'--flagfile={os.path.join(REPO, "flags", "tpu_v3_8.cfg")}',
+                                    '--data_dir=' + self.data_dir],
+                                   r'cannot start the TPU system for --tpu=local \(.*tensorflow-tpu.*--strategy=cpu',
+                                   run=run_main)
+
+    def test_help_lists_every_setting_by_section_under_the_console_script(self):
+        # A console script's __main__ is a generated wrapper, so absl's own --help shows none of our flags.
+        process = subprocess.run([sys.executable, '-c', 'import sys; from imagenet_tpu import main; '
+                                  'sys.argv = ["imagenet-tpu-train", "--help"]; main.run()'],
+                                 cwd=REPO, env=helpers.subprocess_environment(), capture_output=True, text=True,
+                                 timeout=120)
+        self.assertEqual(process.returncode, 0, process.stderr)
+        sections = {}
+        current = None
+        for line in process.stdout.splitlines():
+            if line.endswith(':') and not line.startswith(' ') and line[:-1].lower() in config_lib.SECTIONS:
+                current = line[:-1].lower()
+            elif line.startswith('  --') and current:
+                name = line[4:].split('=')[0].split(' ')[0].replace('[no]', '')
+                sections[name] = current
+        expected = {field.name: field.metadata['section'] for field in dataclasses.fields(Config)}
+        self.assertEqual(sections, expected)
+        self.assertIn('--global_batch_size=1024', process.stdout)
+        self.assertIn('One of: sgd, lars, rmsprop_warmup.', ' '.join(process.stdout.split()))
+
+    @pytest.mark.slow
+    def test_command_line_and_python_api_end_with_the_same_weights(self):
+        # The seed, op determinism and the strategy are applied by train_and_evaluate itself, so Config(...) in
+        # Python runs exactly as the same flags do. Both in fresh processes: the seed and determinism are global.
+        settings = dict(data_dir=self.data_dir, depth=10, image_size=16, num_classes=4, num_train_images=48,
+                        num_eval_images=20, global_batch_size=16, eval_batch_size=16, train_epochs=2,
+                        strategy='cpu', num_cpu_devices=2, seed=5, deterministic=True, log_every_steps=0)
+        cli_dir, api_dir = (os.path.join(self.root, name) for name in ('cli', 'api'))
+        code, stderr = run_main(*[f'--{name}={value}' for name, value in settings.items()], f'--model_dir={cli_dir}')
+        self.assertEqual(code, 0, stderr[-3000:])
+        script = ('import imagenet_tpu\nfrom imagenet_tpu import train\nfrom imagenet_tpu.config import Config\n'
+                  f'train.train_and_evaluate(Config(model_dir={api_dir!r}, **{settings!r}))\n')
+        process = subprocess.run([sys.executable, '-c', script], cwd=REPO, env=helpers.subprocess_environment(),
+                                 capture_output=True, text=True, timeout=300)
+        self.assertEqual(process.returncode, 0, process.stderr[-3000:])
+        cli = helpers.checkpoint_variables(os.path.join(cli_dir, 'checkpoints'))
+        api = helpers.checkpoint_variables(os.path.join(api_dir, 'checkpoints'))
+        self.assertEqual(sorted(cli), sorted(api))
+        for name in cli:
+            self.assertAllEqual(cli[name], api[name], msg=name)
+        results = []
+        for directory in (cli_dir, api_dir):
+            with open(os.path.join(directory, 'results.json')) as f:
+                results.append(json.load(f))
+        self.assertEqual(results[0]['steps'], 6)
+        for name in ('train_loss', 'loss', 'top_1'):
+            self.assertEqual(results[0][name], results[1][name], name)
 
     @pytest.mark.slow
     def test_bad_records_are_skipped_counted_and_reported(self):

@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import train
-from imagenet_tpu.config import Config, ConfigError
+from imagenet_tpu import checkpointing, errors, train
+from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
 
@@ -97,19 +97,22 @@ class ResumeTest(tf.test.TestCase):
         self.assertEqual(sorted(weights), sorted(self.reference))
         with open(os.path.join(model_dir, 'results.json')) as f:
             self.assertEqual(json.load(f)['steps'], STEPS)
-        exact, moving = {}, {}
+        exact, moving, elementwise = {}, {}, {}
         for name, value in weights.items():
             if name.startswith('save_counter'):    # how many saves, not state: a SIGTERM adds one
                 continue
             difference = np.abs(value.astype(np.float64) - self.reference[name])
             if '/moving_' in name:
-                moving[name] = float(np.max(difference / np.maximum(np.abs(self.reference[name]), 1e-3)))
+                # Relative to the tensor's scale: rounding in a sum of channels' statistics is a fraction of
+                # their magnitude, so one channel whose mean is near 0 must not read as a large relative error.
+                moving[name] = float(np.max(difference) / max(np.max(np.abs(self.reference[name])), 1e-3))
+                elementwise[name] = float(np.max(difference / np.maximum(np.abs(self.reference[name]), 1e-3)))
             else:
                 exact[name] = float(np.max(difference))
         worst = max(exact.values())
         print(f'{model_dir}: largest difference from the uninterrupted run over {len(exact)} weights and slots: '
               f'{worst}; largest relative difference of {len(moving)} BN moving statistics: '
-              f'{max(moving.values()):.2e}')
+              f'{max(moving.values()):.2e} of the tensor scale ({max(elementwise.values()):.2e} element by element)')
         self.assertEqual(worst, 0.0, sorted(exact.items(), key=lambda item: -item[1])[:5])
         self.assertLess(max(moving.values()), 1e-5)
 
@@ -170,9 +173,9 @@ class CheckpointAtomicityTest(tf.test.TestCase):
         self.model_dir = os.path.join(self.get_temp_dir(), f'atomic-{self.id().rsplit(".", 1)[1]}')
         config = Config(depth=10, image_size=16, num_classes=4, global_batch_size=8, model_dir=self.model_dir)
         self.classifier = train.build_classifier(config)
-        self.manager = train.checkpoint_manager(self.classifier, self.model_dir)
+        self.manager = checkpointing.checkpoint_manager(self.classifier, self.model_dir)
         self.classifier.optimizer.iterations.assign(4)
-        train.save_checkpoint(self.manager, 4)
+        checkpointing.save_checkpoint(self.manager, 4)
         self.saved = [w.copy() for w in self.classifier.network.get_weights()]
         self.classifier.optimizer.iterations.assign(8)
         for variable in self.classifier.network.weights:
@@ -180,7 +183,7 @@ class CheckpointAtomicityTest(tf.test.TestCase):
 
     def restore(self):
         messages = []
-        path = train.restore_latest(self.manager, messages.append)
+        path = checkpointing.restore_latest(self.manager, messages.append)
         return path, messages
 
     def test_a_crash_while_writing_leaves_the_previous_checkpoint_latest(self):
@@ -199,7 +202,7 @@ class CheckpointAtomicityTest(tf.test.TestCase):
             self.assertAllEqual(restored, saved)
 
     def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(self):
-        train.save_checkpoint(self.manager, 8)
+        checkpointing.save_checkpoint(self.manager, 8)
         data = [name for name in os.listdir(self.manager.directory) if name.startswith('ckpt-8.data')]
         with open(os.path.join(self.manager.directory, data[0]), 'r+b') as f:
             f.truncate(100)
@@ -214,14 +217,14 @@ class CheckpointAtomicityTest(tf.test.TestCase):
             if '.data' in name:
                 with open(os.path.join(self.manager.directory, name), 'r+b') as f:
                     f.truncate(10)
-        with self.assertRaisesRegex(ConfigError, 'none of the 1 checkpoints in .* can be read'):
+        with self.assertRaisesRegex(errors.CheckpointError, 'none of the 1 checkpoints in .* can be read'):
             self.restore()
 
     def test_relative_model_dir(self):
         os.chdir(os.path.dirname(self.model_dir))
         relative = os.path.basename(self.model_dir)
-        manager = train.checkpoint_manager(self.classifier, relative)
-        self.assertEqual(os.path.basename(train.restore_latest(manager)), 'ckpt-4')
+        manager = checkpointing.checkpoint_manager(self.classifier, relative)
+        self.assertEqual(os.path.basename(checkpointing.restore_latest(manager)), 'ckpt-4')
 
 
 if __name__ == '__main__':

@@ -8,7 +8,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
-from imagenet_tpu import input_pipeline, resnet, train
+from imagenet_tpu import classifier as classifier_lib, input_pipeline, resnet, train
 
 helpers.use_eight_cpus()
 
@@ -77,18 +77,18 @@ class MixedPrecisionTest(tf.test.TestCase):
         labels = tf.constant(np.arange(8) % 10, tf.int32)
         history = classifier.fit(tf.data.Dataset.from_tensors((images, labels)).repeat(), epochs=1,
                                  steps_per_epoch=15, verbose=0)
-        first = train.smoothed_cross_entropy(labels, network(images, training=False))
+        first = classifier_lib.smoothed_cross_entropy(labels, network(images, training=False))
         self.assertTrue(np.isfinite(history.history['loss'][-1]))
         losses = []
         for _ in range(2):
             classifier.fit(tf.data.Dataset.from_tensors((images, labels)).repeat(), epochs=1, steps_per_epoch=15,
                            verbose=0)
-            losses.append(float(tf.reduce_mean(train.smoothed_cross_entropy(labels, network(images, training=True)))))
+            losses.append(float(tf.reduce_mean(classifier_lib.smoothed_cross_entropy(labels, network(images, training=True)))))
         self.assertLess(losses[-1], float(tf.reduce_mean(first)))
         self.assertTrue(np.all(np.isfinite(losses)))
 
     def test_float16_step_matches_float32_where_unscaled_gradients_underflow(self):
-        # The loss of a step is the sum over its images divided by the global batch (train.Classifier), so a
+        # The loss of a step is the sum over its images divided by the global batch (classifier_lib.Classifier), so a
         # global batch of 2^20 images makes every gradient of a logit at most 2^-20 (|softmax - target| < 1):
         # float16 subnormals, and the gradients flowing back into the convolutions, smaller still, underflow to
         # 0 in float16. The linear scaling rule's rate (0.4 x 2^20 / 256) keeps the step the size of an ordinary
@@ -97,7 +97,7 @@ class MixedPrecisionTest(tf.test.TestCase):
         float16 = dataclasses.replace(float32, precision='mixed_float16')
 
         def without_loss_scaling():
-            classifier = train.Classifier(train.build_network(float16), global_batch_size=float16.global_batch_size,
+            classifier = classifier_lib.Classifier(train.build_network(float16), global_batch_size=float16.global_batch_size,
                                           label_smoothing=float16.label_smoothing)
             classifier.compile(optimizer=train.build_optimizer(float32))     # momentum SGD, no LossScaleOptimizer
             return classifier

@@ -60,7 +60,7 @@ def main(argv):
     from imagenet_tpu import strategy as strategy_lib
     strategy_lib.use_logical_cpus(f.replicas)
     import tf_keras as keras
-    from imagenet_tpu import input_pipeline, train
+    from imagenet_tpu import classifier as classifier_lib, input_pipeline
     from imagenet_tpu.config import Config
     strategy = strategy_lib.make_strategy('cpu', num_cpu_devices=f.replicas)
     batch = f.per_replica_batch * f.replicas
@@ -72,7 +72,7 @@ def main(argv):
         keras.utils.set_random_seed(0)
         with strategy.scope():
             network, all_reduce = build(variant, f.depth, f.image_size, batch, mesh)
-            classifier = train.Classifier(network, global_batch_size=batch, gradient_all_reduce=all_reduce)
+            classifier = classifier_lib.Classifier(network, global_batch_size=batch, gradient_all_reduce=all_reduce)
             classifier.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
         iterator = iter(data)
         print(f'tracing {variant} ...', flush=True)

@@ -30,9 +30,9 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package's oneDNN setting)
 
 tf = runtime.import_tensorflow()
-from imagenet_tpu import input_pipeline, preprocessing, tfrecord  # noqa: E402
+from imagenet_tpu import input_pipeline, preprocessing, record_io, tfrecord  # noqa: E402
 from imagenet_tpu.config import Config  # noqa: E402
-from imagenet_tpu.train import resident_memory_mb  # noqa: E402
+from imagenet_tpu.callbacks import resident_memory_mb  # noqa: E402
 
 PIPELINES = ('ours', 'naive', 'tfm')
 
@@ -43,11 +43,11 @@ def make_config(data_dir: str, batch_size: int, image_size: int, threads: int) -
 
 
 def _plain_records(config: Config) -> tf.data.Dataset:
-    """The peers' reader: our interleave (input_pipeline.read_records) without the bad-record accounting of
+    """The peers' reader: our interleave (record_io.read_records) without the bad-record accounting of
     bad_records='skip', repeated, then the same shuffle."""
-    paths = input_pipeline.list_shards(config.data_dir, tfrecord.TRAIN)
-    records = input_pipeline.read_records(paths, input_pipeline.file_sizes(paths),
-                                          dataclasses.replace(config, bad_records='fatal'), deterministic=False)
+    paths = record_io.list_shards(config.data_dir, tfrecord.TRAIN)
+    records = record_io.read_records(paths, record_io.file_sizes(paths),
+                                     dataclasses.replace(config, bad_records='fatal'), deterministic=False)
     return records.repeat().shuffle(config.shuffle_buffer, seed=0)
 
 

@@ -3,7 +3,7 @@ ResNet-50 (official.vision backbone + classification head), on the same syntheti
 optimizer (momentum SGD, no weight decay) and precision, timed in alternating rounds in one run. Also our step
 with LARS and batch_norm.GroupBatchNormalization, to show what they cost.
 
-Every model is trained by the same train.Classifier step, so only the networks differ. keras.applications'
+Every model is trained by the same classifier.Classifier step, so only the networks differ. keras.applications'
 ResNet50 is v1 (stride on the first 1x1 convolution: 3.86 GMAC per 224x224 image); ours and tf-models-official's
 are v1.5 (stride on the 3x3: 4.09 GMAC): besides images/s the ratios are also given per multiply-add
 (GMAC-normalised), scaled by (image_size / 224)^2. Peak memory is the process's peak RSS after each model's warm-up
@@ -63,7 +63,7 @@ def main(argv):
     step_timing.environment()
     f = flags.FLAGS
     import tf_keras as keras
-    from imagenet_tpu import input_pipeline, lars, train
+    from imagenet_tpu import classifier as classifier_lib, input_pipeline, lars, train
     from imagenet_tpu.config import Config
     config = Config(image_size=f.image_size, global_batch_size=f.batch_size, num_classes=1000,
                     precision=f.precision)
@@ -82,7 +82,7 @@ def main(argv):
                      else keras.optimizers.SGD(0.1, momentum=0.9))
         if f.precision == 'mixed_float16':
             optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
-        classifier = train.Classifier(network, global_batch_size=f.batch_size)
+        classifier = classifier_lib.Classifier(network, global_batch_size=f.batch_size)
         classifier.compile(optimizer=optimizer, jit_compile=f.jit_compile)
         iterator = iter(data)
         print(f'warming up {name} ({network.count_params():,} parameters) ...', flush=True)

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import input_pipeline
+from imagenet_tpu import input_pipeline, record_io
 from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
@@ -20,7 +20,7 @@ NUM_GOOD = helpers.NUM_GOOD_RECORDS
 def _config(data_dir, **overrides):
     base = Config(data_dir=data_dir, num_classes=NUM_GOOD, label_offset=1, image_size=16, global_batch_size=4,
                   eval_batch_size=4, num_train_images=NUM_GOOD, num_eval_images=NUM_GOOD, shuffle_buffer=32,
-                  seed=3, deterministic_input=True)
+                  seed=3, deterministic=True)
     return dataclasses.replace(base, **overrides)
 
 
@@ -32,7 +32,7 @@ class BadRecordsTest(tf.test.TestCase):
         self.good_labels = helpers.write_bad_dataset(self.data_dir)
 
     def test_training_skips_and_counts_bad_records_and_sees_every_good_image(self):
-        counts = input_pipeline.SkipCounts()
+        counts = record_io.SkipCounts()
         dataset = input_pipeline.train_dataset(_config(self.data_dir), skip_counts=counts)
         # One data epoch is the 16 good images: 4 batches of 4.
         labels = np.concatenate([labels.numpy() for _, labels in dataset.take(4)])
@@ -43,7 +43,7 @@ class BadRecordsTest(tf.test.TestCase):
         self.assertBetween(totals['truncated_files'], 1, 2)
 
     def test_evaluation_counts_exactly(self):
-        counts = input_pipeline.SkipCounts()
+        counts = record_io.SkipCounts()
         batches = list(input_pipeline.eval_dataset(_config(self.data_dir), skip_counts=counts))
         labels = np.concatenate([b[1].numpy() for b in batches])
         weights = np.concatenate([b[2].numpy() for b in batches])
@@ -60,7 +60,7 @@ class BadRecordsTest(tf.test.TestCase):
                 pass
 
     def test_decoded_image_cache_skips_the_same_records(self):
-        counts = input_pipeline.SkipCounts()
+        counts = record_io.SkipCounts()
         dataset = input_pipeline.train_dataset(_config(self.data_dir, input_cache='images'), skip_counts=counts)
         labels = np.concatenate([labels.numpy() for _, labels in dataset.take(8)])
         # Two epochs from the cache: each good image twice; the faults were met once, when the cache filled.
