@@ -77,6 +77,8 @@ class Config:
                                                   'keep image_size / (image_size + padding) of the shorter side '
                                                   '(its CROP_PADDING is 32: 0.875 at 224, 0.8 at 128).',
                                             unit='pixels', minimum=0)
+    resize_method: str = data('bilinear', 'Filter that resizes crops to image_size, in training and evaluation.',
+                              choices=('bilinear', 'bicubic'))
     random_flip: bool = data(True, 'Random left-right flips in training.')
     shuffle_buffer: int = data(10000, 'Records in the shuffle buffer of each input pipeline.', unit='records',
                                minimum=1)

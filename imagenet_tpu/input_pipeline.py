@@ -111,12 +111,13 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
             image, label = record
             image = preprocessing.preprocess_decoded_for_train(
                 image, config.image_size, min_area=config.random_crop_min_area, flip=config.random_flip,
-                dtype=dtype, seed=seed)
+                dtype=dtype, seed=seed, resize_method=config.resize_method)
         else:
             example = tfrecord.parse_example(record)
             image = preprocessing.preprocess_for_train(
                 example['encoded'], example['boxes'] if config.crop_boxes else tf.zeros([0, 4]), config.image_size,
-                min_area=config.random_crop_min_area, flip=config.random_flip, dtype=dtype, seed=seed)
+                min_area=config.random_crop_min_area, flip=config.random_flip, dtype=dtype, seed=seed,
+                resize_method=config.resize_method)
             label = example['label']
         return position, image, tfrecord.to_model_label(label, config.label_offset, config.num_classes)
 
@@ -172,7 +173,8 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     def parse(index, serialized):
         example = tfrecord.parse_example(serialized)
         image = preprocessing.preprocess_for_eval(example['encoded'], config.image_size, dtype=dtype,
-                                                  crop_fraction=config.eval_crop)
+                                                  crop_fraction=config.eval_crop,
+                                                  resize_method=config.resize_method)
         label = tfrecord.to_model_label(example['label'], config.label_offset, config.num_classes)
         return index, image, label, tf.constant(1.0)
 

@@ -28,9 +28,16 @@ def normalize(image: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
     return tf.cast(image, dtype)
 
 
-def _resize(image: tf.Tensor, image_size: int, dtype: tf.DType = tf.float32) -> tf.Tensor:
-    """Bilinear resize to [image_size, image_size] (float pixels in 0..255), cast to ``dtype``."""
-    image = tf.image.resize(image, [image_size, image_size], method=tf.image.ResizeMethod.BILINEAR)
+# Resize filters: TensorFlow's (half-pixel centres, no antialiasing). Bicubic is Keys' cubic convolution with
+# a = -0.5; its pixels may overshoot 0..255 slightly at edges, and are kept so, as the MLPerf preprocessing does.
+RESIZE_METHODS = ('bilinear', 'bicubic')
+
+
+def _resize(image: tf.Tensor, image_size: int, dtype: tf.DType = tf.float32, method: str = 'bilinear') -> tf.Tensor:
+    """Resize to [image_size, image_size] with ``method`` (float pixels on the 0..255 scale), cast to ``dtype``."""
+    if method not in RESIZE_METHODS:
+        raise ValueError(f'resize method must be one of {RESIZE_METHODS}, got {method!r}')
+    image = tf.image.resize(image, [image_size, image_size], method=method)
     return tf.cast(image, dtype)
 
 
@@ -65,7 +72,8 @@ def sample_crop_window(shape: tf.Tensor, boxes: tf.Tensor, min_area: float = 0.0
 
 
 def preprocess_for_train(encoded: tf.Tensor, boxes: tf.Tensor, image_size: int, *, min_area: float = 0.08,
-                         flip: bool = True, dtype: tf.DType = tf.float32, seed: tf.Tensor = None) -> tf.Tensor:
+                         flip: bool = True, dtype: tf.DType = tf.float32, seed: tf.Tensor = None,
+                         resize_method: str = 'bilinear') -> tf.Tensor:
     """Random-resized crop (decoded fused with the crop), random left-right flip, resize.
 
     ``seed`` ([2] integers; default: fresh): the same seed gives the same crop and flip, which is what makes a
@@ -74,17 +82,17 @@ def preprocess_for_train(encoded: tf.Tensor, boxes: tf.Tensor, image_size: int, 
     crop_seed, flip_seed = _crop_and_flip_seeds(seed)
     window = random_crop_window(encoded, boxes, min_area=min_area, seed=crop_seed)
     image = tf.image.decode_and_crop_jpeg(encoded, window, channels=3, dct_method=DCT_METHOD)
-    return _flip_and_resize(image, flip, flip_seed, image_size, dtype)
+    return _flip_and_resize(image, flip, flip_seed, image_size, dtype, resize_method)
 
 
 def preprocess_decoded_for_train(image: tf.Tensor, image_size: int, *, min_area: float = 0.08,
-                                 flip: bool = True, dtype: tf.DType = tf.float32,
-                                 seed: tf.Tensor = None) -> tf.Tensor:
+                                 flip: bool = True, dtype: tf.DType = tf.float32, seed: tf.Tensor = None,
+                                 resize_method: str = 'bilinear') -> tf.Tensor:
     """preprocess_for_train for an already decoded uint8 image (the decoded-image cache), whole image as box."""
     crop_seed, flip_seed = _crop_and_flip_seeds(seed)
     window = sample_crop_window(tf.shape(image), tf.zeros([0, 4]), min_area=min_area, seed=crop_seed)
     image = image[window[0]:window[0] + window[2], window[1]:window[1] + window[3]]
-    return _flip_and_resize(image, flip, flip_seed, image_size, dtype)
+    return _flip_and_resize(image, flip, flip_seed, image_size, dtype, resize_method)
 
 
 def _crop_and_flip_seeds(seed):
@@ -93,10 +101,11 @@ def _crop_and_flip_seeds(seed):
     return tf.unstack(tf.random.experimental.stateless_split(seed, 2))
 
 
-def _flip_and_resize(image, flip: bool, flip_seed, image_size: int, dtype: tf.DType) -> tf.Tensor:
+def _flip_and_resize(image, flip: bool, flip_seed, image_size: int, dtype: tf.DType,
+                     resize_method: str) -> tf.Tensor:
     if flip:
         image = tf.image.stateless_random_flip_left_right(image, flip_seed)
-    return _resize(image, image_size, dtype)
+    return _resize(image, image_size, dtype, resize_method)
 
 
 def center_crop_window(encoded: tf.Tensor, fraction: float = EVAL_CROP_FRACTION) -> tf.Tensor:
@@ -109,8 +118,8 @@ def center_crop_window(encoded: tf.Tensor, fraction: float = EVAL_CROP_FRACTION)
 
 
 def preprocess_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fraction: float = EVAL_CROP_FRACTION,
-                        dtype: tf.DType = tf.float32) -> tf.Tensor:
+                        dtype: tf.DType = tf.float32, resize_method: str = 'bilinear') -> tf.Tensor:
     """Central crop of ``crop_fraction`` of the shorter side (decoded fused with the crop), resize."""
     image = tf.image.decode_and_crop_jpeg(encoded, center_crop_window(encoded, crop_fraction), channels=3,
                                          dct_method=DCT_METHOD)
-    return _resize(image, image_size, dtype)
+    return _resize(image, image_size, dtype, resize_method)

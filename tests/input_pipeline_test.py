@@ -203,6 +203,16 @@ class InputPipelineTest(tf.test.TestCase):
         with self.assertRaisesRegex(errors.DataError, 'no train files matching train-\\*-of-\\*'):
             record_io.list_shards(empty, 'train')
 
+    def test_resize_setting_reaches_training_and_evaluation(self):
+        config = _config(self.data_dir, deterministic=True)
+        bicubic = dataclasses.replace(config, resize_method='bicubic')
+        for stream in (input_pipeline.train_dataset, input_pipeline.eval_dataset):
+            first = next(iter(stream(config)))[0].numpy()
+            again = next(iter(stream(config)))[0].numpy()
+            other = next(iter(stream(bicubic)))[0].numpy()
+            self.assertAllEqual(first, again)          # the same crops: only the filter differs below
+            self.assertGreater(float(np.mean(np.abs(other - first))), 0.05, stream.__name__)
+
     def test_synthetic_batches(self):
         images, labels = next(iter(input_pipeline.synthetic_dataset(_config(None))))
         self.assertEqual(images.shape, (8, 16, 16, 3))
