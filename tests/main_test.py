@@ -49,7 +49,8 @@ PUBLISHED = {
     # Google/benchmarks/resnet/tpu-v3-8192-TF/run_and_time.sh: --train_batch_size=65536
     # --lars_base_learning_rate=24.699.
     'tpu_v3_4096_bs64k.cfg': (65536, 24.699),
-    # Goyal et al.'s rule at batch 1,024: 0.4.
+    # tensorflow/tpu models/official/resnet/configs/resnet_config.py: train_batch_size 1024 (line 20),
+    # base_learning_rate 0.1 per 256 images (line 25), so 0.4.
     'tpu_v3_8.cfg': (1024, 0.4),
 }
 
