@@ -1,5 +1,6 @@
 """Keras callbacks of a training run: progress lines, skipped-record reports, the stop on a non-finite loss,
-batch-norm re-estimation before evaluation, and the watch for an input that ends early."""
+batch-norm statistics for evaluation (the replicas' mean, or re-estimated), and the watch for an input that ends
+early."""
 
 import contextlib
 import logging
@@ -133,6 +134,30 @@ class ReportSkips(keras.callbacks.Callback):
                           f'report) and {totals["truncated_files"]} truncated files (set --bad_records=fatal '
                           'to stop instead)')
             self._reported = totals
+
+
+def average_moving_statistics(network: keras.Model, strategy: tf.distribute.Strategy) -> None:
+    """Sets every replica's batch-norm moving statistics to their mean over the replicas.
+
+    Keras keeps moving statistics per replica (synchronized on read): each replica updates its own copy from its
+    own batches, an evaluation under the strategy uses each replica's copy, and a checkpoint or an export reads
+    their mean. After this call every replica holds that mean, so evaluation uses the exported statistics.
+    """
+    with strategy.scope():
+        for layer in batch_norm.batch_norm_layers(network):
+            for variable in (layer.moving_mean, layer.moving_variance):
+                variable.assign(variable.read_value())
+
+
+class AverageMovingStatistics(keras.callbacks.Callback):
+    """Before each evaluation, gives every replica the mean moving statistics (average_moving_statistics)."""
+
+    def __init__(self, network: keras.Model, strategy: tf.distribute.Strategy):
+        super().__init__()
+        self.network, self.strategy = network, strategy
+
+    def on_test_begin(self, logs=None):
+        average_moving_statistics(self.network, self.strategy)
 
 
 class ReestimateBatchNorm(keras.callbacks.Callback):

@@ -25,16 +25,19 @@ class Classifier(keras.Model):
     """
 
     def __init__(self, network: keras.Model, *, global_batch_size: int, weight_decay: float = 0.0,
-                 label_smoothing: float = 0.0, gradient_all_reduce=None, **kwargs):
+                 label_smoothing: float = 0.0, gradient_all_reduce=None, decayed=regularization.is_decayed,
+                 **kwargs):
         """gradient_all_reduce: optional callable(list of per-replica gradients) -> list of summed gradients,
         called in replica context (e.g. collectives.all_reduce_2d); the optimizer then applies the sums
-        without aggregating again. Default: the optimizer's own all-reduce."""
+        without aggregating again. Default: the optimizer's own all-reduce. decayed: callable(variable) -> bool,
+        the variables weight_decay applies to (default: kernels only, regularization.is_decayed)."""
         super().__init__(name=kwargs.pop('name', 'classifier'), **kwargs)
         self.network = network
         self.gradient_all_reduce = gradient_all_reduce
         self.global_batch_size = global_batch_size
         self.weight_decay = weight_decay
         self.label_smoothing = label_smoothing
+        self.decayed = decayed
         self.loss_tracker = keras.metrics.Mean('loss')
         self.top_1 = keras.metrics.SparseCategoricalAccuracy('top_1')
         self.top_5 = keras.metrics.SparseTopKCategoricalAccuracy(5, 'top_5')
@@ -60,7 +63,8 @@ class Classifier(keras.Model):
             logits = self.network(images, training=True)
             per_example_loss = smoothed_cross_entropy(labels, logits, self.label_smoothing)
             loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=self.global_batch_size)
-            loss += tf.nn.scale_regularization_loss(regularization.l2_penalty(variables, self.weight_decay))
+            penalty = regularization.l2_penalty(variables, self.weight_decay, self.decayed)
+            loss += tf.nn.scale_regularization_loss(penalty)
             if loss_scaling:
                 loss = self.optimizer.get_scaled_loss(loss)
         gradients = tape.gradient(loss, variables)

@@ -98,8 +98,9 @@ class Config:
     # Model.
     depth: int = model(50, 'ResNet depth.', choices=(10, 18, 34, 50, 101, 152, 200))
     norm: str = model('batch_norm', 'Normalization layers.', choices=('batch_norm', 'none'))
-    space_to_depth: bool = model(False, "MLPerf v0.7's TPU stem: 2x2 space-to-depth images and a 4x4 stride-1 "
-                                        'convolution, exactly equivalent to the 7x7 stride-2 one.')
+    space_to_depth: bool = model(False, "MLPerf v0.7's TPU stem: 2x2 space-to-depth images and a masked 8x8 kernel "
+                                        'folded to a 4x4 stride-1 convolution: the 7x7 stride-2 one, also after '
+                                        'training.')
     precision: str = model('float32', 'Compute precision: mixed_bfloat16 on TPU (and CPUs with bfloat16), '
                                       'mixed_float16 with loss scaling on GPU. Variables, BN statistics and the loss '
                                       'stay float32.', choices=('float32', 'mixed_bfloat16', 'mixed_float16'))
@@ -150,9 +151,10 @@ class Config:
     lars_eeta: float = optimization(0.001, 'LARS trust coefficient (MLPerf: 0.001).')
     lars_epsilon: float = optimization(0.0, 'Added to the LARS trust-ratio denominator (MLPerf v0.6: 1e-5, v0.7: '
                                             '0).')
-    lars_trust_ratio: str = optimization('mlperf', "LARS trust ratio: 'mlperf' (MLPerf / TF contrib) or 'tfm' "
-                                                   '(tf-models-official, to reuse its hyperparameters).',
-                                         choices=('mlperf', 'tfm'))
+    lars_variant: str = optimization('mlperf', "LARS update rule: 'mlperf' (MLPerf v0.7, TF 1.15 contrib), "
+                                               "'mlperf_v0.6' (TF 1.14 contrib, weight decay in the loss) or 'tfm' "
+                                               '(tf-models-official, to reuse its hyperparameters); lars.py.',
+                                     choices=('mlperf', 'mlperf_v0.6', 'tfm'))
     rms_learning_rate: float = optimization(3e-4, 'RMSprop warm-up: rate of the RMSprop part (Akiba et al.: '
                                                   '3e-4).')
     alpha_sgd_center_epochs: float = optimization(10.0, 'RMSprop warm-up: epoch where the blend is half SGD '

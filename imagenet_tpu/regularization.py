@@ -13,9 +13,10 @@ def is_decayed(variable: tf.Variable) -> bool:
     return len(variable.shape) >= 2
 
 
-def l2_penalty(variables, weight_decay: float) -> tf.Tensor:
-    """weight_decay / 2 * sum of squared decayed weights (so its gradient is weight_decay * w), float32."""
-    decayed = [tf.cast(v, tf.float32) for v in variables if is_decayed(v)]
+def l2_penalty(variables, weight_decay: float, decayed=is_decayed) -> tf.Tensor:
+    """weight_decay / 2 * sum of squared decayed weights (so its gradient is weight_decay * w), float32.
+    ``decayed``: which variables (default: is_decayed)."""
+    decayed = [tf.cast(v, tf.float32) for v in variables if decayed(v)]
     if not decayed or not weight_decay:
         return tf.constant(0.0)
     return weight_decay * tf.add_n([tf.nn.l2_loss(v) for v in decayed])

@@ -46,10 +46,13 @@ def no_norm_factory(name: str, zero_gamma: bool) -> keras.layers.Layer:
     return keras.layers.Identity(name=name)
 
 
+_CONV_INITIALIZER = {'class_name': 'VarianceScaling',
+                     'config': {'scale': 2.0, 'mode': 'fan_out', 'distribution': 'truncated_normal'}}
+
+
 def _conv(filters: int, kernel_size: int, strides: int, name: str) -> keras.layers.Layer:
-    return keras.layers.Conv2D(
-        filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
-        kernel_initializer=keras.initializers.VarianceScaling(2.0, 'fan_out', 'truncated_normal'))
+    return keras.layers.Conv2D(filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
+                               kernel_initializer=keras.initializers.get(_CONV_INITIALIZER))
 
 
 def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str):
@@ -97,6 +100,49 @@ def space_to_depth_kernel(kernel: np.ndarray) -> np.ndarray:
     return blocks.reshape(4, 4, 4 * channels, filters)
 
 
+class SpaceToDepthStem(keras.layers.Layer):
+    """MLPerf v0.7's space-to-depth stem: a 7x7 stride-2 convolution computed as a 4x4 stride-1 one on 2x2
+    space-to-depth images, and exactly that, also after training.
+
+    The variable is the kernel padded to 8x8 [8, 8, C, F]; every call masks its 8th row and column and folds it
+    to [4, 4, 4C, F] (space_to_depth_kernel), as the v0.7 submission's resnet_model.py does (lines 58-85 of
+    Google/benchmarks/resnet/implementations/resnet-research-TF-tpu-v3-8192/, mlcommons/training_results_v0.7).
+    The masked entries get no gradient; ours also start at 0 (the submission initializes all 64 positions), so
+    the stem's norm, and its LARS trust ratio, are those of the 7x7 kernel, whose initializer it uses too.
+    """
+
+    def __init__(self, filters: int, kernel_initializer, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = filters
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+
+    def build(self, input_shape):
+        channels = int(input_shape[-1]) // 4
+
+        def initializer(shape, dtype=None):
+            kernel = self.kernel_initializer((7, 7, channels, self.filters), dtype=dtype)
+            return tf.pad(kernel, [[0, 1], [0, 1], [0, 0], [0, 0]])
+
+        self.kernel = self.add_weight('kernel', shape=(8, 8, channels, self.filters), initializer=initializer)
+        self.built = True
+
+    def folded_kernel(self) -> tf.Tensor:
+        """The masked kernel as [4, 4, 4C, F]: blocks (row, column) of 2x2 pixels, channels (row, column, C)."""
+        kernel = tf.convert_to_tensor(self.kernel)
+        mask = tf.constant([1.0] * 7 + [0.0], kernel.dtype)
+        kernel = kernel * mask[:, None, None, None] * mask[None, :, None, None]
+        channels = kernel.shape[2]
+        blocks = tf.transpose(tf.reshape(kernel, [4, 2, 4, 2, channels, self.filters]), [0, 2, 1, 3, 4, 5])
+        return tf.reshape(blocks, [4, 4, 4 * channels, self.filters])
+
+    def call(self, images):
+        return tf.nn.conv2d(images, self.folded_kernel(), strides=1, padding='SAME')
+
+    def get_config(self):
+        return {**super().get_config(), 'filters': self.filters,
+                'kernel_initializer': keras.initializers.serialize(self.kernel_initializer)}
+
+
 class Standardize(keras.layers.Layer):
     """(pixels - mean) / stddev per channel, the network's first layer: images enter as pixels in 0..255.
 
@@ -129,7 +175,7 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
     Images are pixels in 0..255 (the first layer standardizes them with ImageNet's channel statistics),
     [batch, image_size, image_size, 3], or with ``space_to_depth`` (Google's MLPerf v0.7 TPU stem)
     [batch, image_size / 2, image_size / 2, 12] = tf.nn.space_to_depth(images, 2), met by a 4x4 stride-1
-    convolution equivalent to the 7x7 stride-2 one (space_to_depth_kernel). ``norm`` makes each normalization
+    convolution that stays exactly the 7x7 stride-2 one (SpaceToDepthStem). ``norm`` makes each normalization
     layer (default: batch_norm_factory()). ``input_dtype``: the images' dtype (default: the policy's compute
     dtype, so bfloat16 images from the input pipeline are not cast twice).
     """
@@ -144,7 +190,7 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
         if image_size % 2:
             raise ValueError(f'space-to-depth needs an even image size, got {image_size}')
         images = keras.Input((image_size // 2, image_size // 2, 12), name='images', dtype=input_dtype)
-        x = _conv(64, 4, 1, 'stem_conv')(_standardize(images))
+        x = SpaceToDepthStem(64, _CONV_INITIALIZER, name='stem_conv')(_standardize(images))
     else:
         images = keras.Input((image_size, image_size, 3), name='images', dtype=input_dtype)
         x = _conv(64, 7, 2, 'stem_conv')(_standardize(images))

@@ -16,7 +16,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu import batch_norm, callbacks as callbacks_lib, checkpointing, classifier as classifier_lib
-from imagenet_tpu import collectives, export, input_pipeline, lars, record_io, resnet, rmsprop_warmup, schedules
+from imagenet_tpu import collectives, export, input_pipeline, lars, record_io, regularization, resnet
+from imagenet_tpu import rmsprop_warmup, schedules
 from imagenet_tpu import strategy as strategy_lib, tfrecord
 from imagenet_tpu.config import Config
 from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, summarize_graph_error
@@ -113,7 +114,7 @@ def _build_optimizer(config: Config) -> keras.optimizers.Optimizer:
     if config.optimizer == 'lars':
         return lars.LARS(learning_rate, momentum=config.momentum, weight_decay=config.weight_decay,
                          eeta=config.lars_eeta, epsilon=config.lars_epsilon, nesterov=config.nesterov,
-                         trust_ratio=config.lars_trust_ratio)
+                         variant=config.lars_variant)
     if config.optimizer == 'rmsprop_warmup':
         return rmsprop_warmup.RMSpropWarmup(learning_rate, build_alpha_sgd(config),
                                             rms_learning_rate=config.rms_learning_rate, momentum=config.momentum)
@@ -121,8 +122,21 @@ def _build_optimizer(config: Config) -> keras.optimizers.Optimizer:
 
 
 def loss_weight_decay(config: Config) -> float:
-    """Weight decay added to the loss: none with LARS, which decays inside its update."""
-    return 0.0 if config.optimizer == 'lars' else config.weight_decay
+    """Weight decay added to the loss: none with LARS, which decays inside its update, except for MLPerf v0.6's
+    rule, which had it in the loss."""
+    if config.optimizer == 'lars' and config.lars_variant != 'mlperf_v0.6':
+        return 0.0
+    return config.weight_decay
+
+
+def loss_decayed_variables(config: Config, network: keras.Model):
+    """Which variables the loss's weight decay applies to: kernels (regularization.is_decayed), or with LARS
+    'mlperf_v0.6' every variable but the batch-norm parameters, as its resnet_main.py (lines 391-393) did."""
+    if config.optimizer != 'lars' or config.lars_variant != 'mlperf_v0.6':
+        return regularization.is_decayed
+    batch_norm_variables = {variable.ref() for layer in batch_norm.batch_norm_layers(network)
+                            for variable in layer.trainable_variables}
+    return lambda variable: variable.ref() not in batch_norm_variables
 
 
 def build_gradient_all_reduce(config: Config, strategy: tf.distribute.Strategy):
@@ -138,8 +152,10 @@ def build_gradient_all_reduce(config: Config, strategy: tf.distribute.Strategy):
 def build_classifier(config: Config) -> classifier_lib.Classifier:
     """Network and optimizer, compiled; call inside ``strategy.scope()`` (replicas and mesh come from it)."""
     strategy = tf.distribute.get_strategy()
-    classifier = classifier_lib.Classifier(build_network(config, strategy.num_replicas_in_sync),
-                                           global_batch_size=config.global_batch_size, weight_decay=loss_weight_decay(config),
+    network = build_network(config, strategy.num_replicas_in_sync)
+    classifier = classifier_lib.Classifier(network, global_batch_size=config.global_batch_size,
+                                           weight_decay=loss_weight_decay(config),
+                                           decayed=loss_decayed_variables(config, network),
                                            label_smoothing=config.label_smoothing,
                                            gradient_all_reduce=build_gradient_all_reduce(config, strategy))
     classifier.compile(optimizer=build_optimizer(config), jit_compile=use_jit(config),
@@ -237,9 +253,11 @@ def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strat
     if manager is not None:
         callbacks += [checkpointing.Checkpoints(manager, config.checkpoint_every_steps),
                       checkpointing.SaveOnSigterm(manager, print_fn)]
-    if config.norm != 'none' and config.bn_inference_statistics == 'reestimate':
-        callbacks.append(callbacks_lib.ReestimateBatchNorm(classifier.network, train_data,
-                                                           config.bn_reestimate_batches, strategy))
+    if config.norm != 'none':   # evaluation with the statistics a checkpoint and the export hold
+        callbacks.append(callbacks_lib.AverageMovingStatistics(classifier.network, strategy))
+        if config.bn_inference_statistics == 'reestimate':
+            callbacks.append(callbacks_lib.ReestimateBatchNorm(classifier.network, train_data,
+                                                               config.bn_reestimate_batches, strategy))
     if config.model_dir and checkpointing.is_chief(strategy):
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, 'logs'), update_freq='epoch',
                                                      profile_batch=0))
@@ -311,8 +329,8 @@ def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf
     """Held-out loss, top_1 and top_5 over every validation image once, and eval_images (the count)."""
     eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     evaluated = classifier.evaluate(eval_data, steps=eval_steps, verbose=0, return_dict=True,
-                                    callbacks=[c for c in callbacks
-                                               if isinstance(c, callbacks_lib.ReestimateBatchNorm)])
+                                    callbacks=[c for c in callbacks if isinstance(
+                                        c, (callbacks_lib.AverageMovingStatistics, callbacks_lib.ReestimateBatchNorm))])
     results = {name: float(value) for name, value in evaluated.items()}
     results['eval_images'] = int(classifier.top_1.count.numpy())
     print_fn(f'held-out top-1 {100 * results["top_1"]:.2f}% top-5 {100 * results["top_5"]:.2f}% '

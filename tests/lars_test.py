@@ -16,6 +16,17 @@ helpers.use_eight_cpus()
 
 def lars_numpy(w, g, v, lr, momentum, wd, eeta, eps, nesterov, excluded, variant='mlperf'):
     """One LARS step as written in the papers/MLPerf (and tf-models-official for variant='tfm')."""
+    if variant == 'mlperf_v0.6':
+        # TensorFlow 1.14's tf.contrib.opt.LARSOptimizer (lars_optimizer.py compute_lr and _apply_dense):
+        # scaled_lr = lr * trust, then ApplyMomentum: accum = momentum * accum + g; var -= scaled_lr * accum
+        # (Nesterov: var -= scaled_lr * g + scaled_lr * momentum * accum); decay only in the denominator.
+        trust = 1.0
+        if not excluded:
+            w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(g)
+            trust = eeta * w_norm / (g_norm + wd * w_norm + eps) if w_norm > 0 and g_norm > 0 else 1.0
+        v = momentum * v + g
+        w = w - (lr * trust * g + lr * trust * momentum * v if nesterov else lr * trust * v)
+        return w, v
     if excluded:
         scaled = lr * g
     elif variant == 'mlperf':
@@ -45,6 +56,8 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
         ('nesterov', 1e-4, True, 'mlperf', 0.0),
         ('tfm_variant', 5e-4, False, 'tfm', 0.0),
         ('tfm_nesterov', 5e-4, True, 'tfm', 0.0),
+        ('mlperf_v06', 1e-4, False, 'mlperf_v0.6', 1e-5),
+        ('mlperf_v06_nesterov', 2e-4, True, 'mlperf_v0.6', 0.0),
     )
     def test_five_steps_match_numpy(self, wd, nesterov, variant, eps):
         rng = np.random.default_rng(0)
@@ -52,7 +65,7 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
         kernel, bias = tf.Variable(kernel0), tf.Variable(bias0)
         rate = schedules.WarmupPolynomialDecay(2.0, 2, 5)   # the rate changes every step
         optimizer = lars.LARS(rate, momentum=0.9, weight_decay=wd, eeta=0.01, epsilon=eps, nesterov=nesterov,
-                              trust_ratio=variant)
+                              variant=variant)
         expected = [(kernel0, np.zeros_like(kernel0)), (bias0, np.zeros_like(bias0))]
         for step in range(5):
             grads = gradients_for(step, [(3, 4), (4,)])
@@ -98,9 +111,9 @@ class LARSTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_serialization_round_trip(self):
         optimizer = lars.LARS(schedules.WarmupCosineDecay(3.0, 5, 50), momentum=0.95, eeta=0.002,
-                              trust_ratio='tfm', nesterov=True)
+                              variant='tfm', nesterov=True)
         restored = lars.LARS.from_config(optimizer.get_config())
-        self.assertEqual((restored.momentum, restored.eeta, restored.trust_ratio, restored.nesterov),
+        self.assertEqual((restored.momentum, restored.eeta, restored.variant, restored.nesterov),
                          (0.95, 0.002, 'tfm', True))
 
     @pytest.mark.slow

@@ -74,6 +74,42 @@ class CropStatisticsTest(tf.test.TestCase):
         self.assertGreater(float(tf.reduce_mean(tf.abs(first - other))), 3.0)
 
 
+def source_windows(shape, count):
+    """The sources' crop sampler, written as they call it: tensorflow/tpu models/official/resnet/
+    resnet_preprocessing.py (distorted_bounding_box_crop, called with the constant box [0, 0, 1, 1],
+    min_object_covered 0.1, aspect (3/4, 4/3), area (0.08, 1), 10 attempts), and MLPerf v0.7's imagenet_input.py
+    (lines 105-112): TensorFlow's stateful sample_distorted_bounding_box."""
+    tf.random.set_seed(11)
+    found = []
+    for _ in range(count):
+        begin, size, _ = tf.image.sample_distorted_bounding_box(
+            tf.constant(shape), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), min_object_covered=0.1,
+            aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
+            use_image_if_no_bounding_boxes=True)
+        found.append([begin[0], begin[1], size[0], size[1]])
+    return np.array(found, np.float64)
+
+
+class SourceSamplerTest(tf.test.TestCase):
+
+    def test_area_aspect_and_fallback_match_the_sources_sampler(self):
+        for shape in ([375, 500, 3], [500, 333, 3]):
+            ours = windows(shape, tf.zeros([0, 4])).astype(np.float64)
+            theirs = source_windows(shape, SAMPLES)
+            summaries = []
+            for found in (ours, theirs):
+                _, _, h, w = found.T
+                area, aspect = h * w / (shape[0] * shape[1]), w / h
+                whole = np.mean((h == shape[0]) & (w == shape[1]))
+                summaries.append((area, aspect, whole))
+            for index, name in ((0, 'area'), (1, 'aspect')):
+                grid = np.linspace(0, 1.5, 301)
+                cdfs = [np.searchsorted(np.sort(summary[index]), grid, side='right') / SAMPLES for summary in summaries]
+                # Two samples of 2,000 from one distribution: the largest CDF gap exceeds 0.05 with p < 0.01.
+                self.assertLess(np.max(np.abs(cdfs[0] - cdfs[1])), 0.05, f'{shape} {name}')
+            self.assertLess(abs(summaries[0][2] - summaries[1][2]), 0.02, f'{shape} whole-image rate')
+
+
 class EvalPreprocessingTest(tf.test.TestCase):
 
     def test_real_photographs_match_pil_decode_and_numpy_centre_crop(self):

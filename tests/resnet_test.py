@@ -6,7 +6,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
-from imagenet_tpu import preprocessing, resnet
+from imagenet_tpu import preprocessing, resnet, train
 
 helpers.use_eight_cpus()
 
@@ -70,6 +70,43 @@ class ResNetTest(tf.test.TestCase, parameterized.TestCase):
     def test_unknown_depth_is_refused(self):
         with self.assertRaisesRegex(ValueError, 'unsupported ResNet depth 42'):
             resnet.resnet(42)
+
+
+class SpaceToDepthStemTest(tf.test.TestCase):
+
+    def test_the_stem_stays_a_7x7_stride_2_convolution_through_training(self):
+        # LARS with weight decay, so nothing but the mask keeps the 8th row and column at zero.
+        config = helpers.tiny_config(space_to_depth=True, image_size=32, optimizer='lars', learning_rate=5.0,
+                                     weight_decay=1e-2, global_batch_size=8, num_train_images=24)
+        classifier = train.build_classifier(config)
+        stem = classifier.network.get_layer('stem_conv')
+        initial = stem.kernel.numpy().copy()
+        rng = np.random.default_rng(0)
+        images = helpers.pixels(rng, (24, 32, 32, 3))
+        labels = rng.integers(0, 10, size=24).astype(np.int32)
+        data = tf.data.Dataset.from_tensor_slices((tf.nn.space_to_depth(images, 2), labels)).batch(8)
+        classifier.fit(data, epochs=1, verbose=0)
+        kernel = stem.kernel.numpy()
+        self.assertGreater(np.max(np.abs(kernel[:7, :7] - initial[:7, :7])), 1e-3)    # it trained
+        self.assertAllEqual(kernel[7], np.zeros_like(kernel[7]))
+        self.assertAllEqual(kernel[:, 7], np.zeros_like(kernel[:, 7]))
+        # Reference: the 7x7 stride-2 SAME convolution of the standardized original images, by TensorFlow's op.
+        standardized = (images - np.array(preprocessing.MEAN_RGB)) / np.array(preprocessing.STDDEV_RGB)
+        expected = tf.nn.conv2d(standardized.astype(np.float32), kernel[:7, :7], strides=2, padding='SAME')
+        network = classifier.network
+        stem_output = keras.Model(network.input, stem.output)(tf.nn.space_to_depth(images, 2))
+        self.assertAllClose(stem_output, expected, atol=1e-4, rtol=1e-4)
+
+    def test_it_starts_with_the_7x7_kernels_scale(self):
+        keras.utils.set_random_seed(3)
+        folded = resnet.resnet(10, 10, image_size=64, space_to_depth=True).get_layer('stem_conv').kernel.numpy()
+        standard = resnet.resnet(10, 10, image_size=64).get_layer('stem_conv').kernel.numpy()
+        self.assertAllEqual(folded[7], np.zeros_like(folded[7]))
+        self.assertAllEqual(folded[:, 7], np.zeros_like(folded[:, 7]))
+        # VarianceScaling(2, fan_out) of a 7x7x3x64 kernel: after truncation the stddev is sqrt(2 / (7 * 7 * 64)).
+        expected = np.sqrt(2.0 / (7 * 7 * 64))
+        for kernel in (folded[:7, :7], standard):
+            self.assertAllClose(np.std(kernel), expected, rtol=0.05)
 
 
 if __name__ == '__main__':

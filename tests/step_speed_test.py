@@ -24,8 +24,8 @@ class SpaceToDepthTest(tf.test.TestCase):
         folded = resnet.resnet(10, 10, image_size=32, space_to_depth=True)
         for layer in standard.layers:
             weights = layer.get_weights()
-            if layer.name == 'stem_conv':
-                weights = [resnet.space_to_depth_kernel(weights[0])]
+            if layer.name == 'stem_conv':      # the 7x7 kernel, padded to the stem's 8x8 variable
+                weights = [np.pad(weights[0], [[0, 1], [0, 1], [0, 0], [0, 0]])]
             folded.get_layer(layer.name).set_weights(weights)
         # Non-trivial batch-norm statistics and gammas, so every path of the network matters.
         for model in (standard, folded):

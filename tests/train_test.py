@@ -5,6 +5,7 @@ import dataclasses
 import os
 from unittest import mock
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -15,6 +16,27 @@ from imagenet_tpu.config import ConfigError
 helpers.use_eight_cpus()
 
 TINY = helpers.tiny_config()
+
+
+class BuildersTest(tf.test.TestCase):
+
+    def test_lars_v06_decays_every_variable_but_batch_norm_in_the_loss(self):
+        # MLPerf v0.6's resnet_main.py (lines 391-393): loss = cross_entropy + weight_decay * sum of l2_loss(v)
+        # over every trainable variable whose name lacks 'batch_normalization', also under LARS.
+        config = helpers.tiny_config(norm='batch_norm', optimizer='lars', lars_variant='mlperf_v0.6',
+                                     weight_decay=1e-3)
+        classifier = train.build_classifier(config)
+        variables = classifier.network.trainable_variables
+        self.assertEqual(classifier.weight_decay, 1e-3)
+        self.assertEqual([v.name for v in variables if classifier.decayed(v)],
+                         [v.name for v in variables if not v.name.endswith(('gamma:0', 'beta:0'))])
+        self.assertIn('logits/bias:0', [v.name for v in variables if classifier.decayed(v)])
+        for variant in ('mlperf', 'tfm'):    # these decay inside the update, never in the loss
+            other = train.build_classifier(dataclasses.replace(config, lars_variant=variant))
+            self.assertEqual(other.weight_decay, 0.0)
+        momentum = train.build_classifier(dataclasses.replace(config, optimizer='sgd'))
+        self.assertEqual([v.name for v in variables if momentum.decayed(v)],
+                         [v.name for v in variables if v.name.endswith('kernel:0')])
 
 
 class TrainAndEvaluateTest(tf.test.TestCase):
@@ -55,6 +77,29 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         results = train.train_and_evaluate(config, helpers.mirrored(2), print_fn=lambda line: None)
         self.assertEqual(results['steps'], 3)
         self.assertNotIn('top_1', results)            # no evaluation without data
+
+    @pytest.mark.slow
+    def test_in_run_evaluation_uses_the_statistics_the_export_holds(self):
+        # 8 replicas of 2 images with per-replica batch norm: each replica's moving statistics differ, and a
+        # checkpoint or export holds their mean. Reference: the exported SavedModel, loaded without this package,
+        # on the same held-out images, its loss and top-1 computed with NumPy.
+        config = dataclasses.replace(self.config, export_saved_model=True, train_epochs=1, label_smoothing=0.1,
+                                     model_dir=os.path.join(self.get_temp_dir(), 'exported'))
+        results = train.train_and_evaluate(config, helpers.mirrored(8), print_fn=lambda line: None)
+        served = tf.saved_model.load(os.path.join(config.model_dir, 'saved_model')).signatures['serving_default']
+        losses, correct = [], []
+        for images, labels, weights in input_pipeline.eval_dataset(config):
+            logits = served(images=images)['logits'].numpy().astype(np.float64)
+            keep = weights.numpy() == 1
+            logits, labels = logits[keep], labels.numpy()[keep]
+            log_probabilities = logits - logits.max(1, keepdims=True)
+            log_probabilities -= np.log(np.exp(log_probabilities).sum(1, keepdims=True))
+            targets = np.eye(config.num_classes)[labels] * (1 - 0.1) + 0.1 / config.num_classes
+            losses.extend(-(targets * log_probabilities).sum(1))
+            correct.extend(logits.argmax(1) == labels)
+        self.assertLen(losses, 20)
+        self.assertAllClose(results['loss'], np.mean(losses), rtol=1e-5)
+        self.assertAlmostEqual(results['top_1'], np.mean(correct), places=6)
 
     def test_non_finite_loss_stops_without_saving_that_step(self):
         config = dataclasses.replace(self.config, base_learning_rate=1e30, norm='none', checkpoint_every_steps=1,
