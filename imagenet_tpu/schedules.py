@@ -105,7 +105,9 @@ class AlphaSGD(keras.optimizers.schedules.LearningRateSchedule):
         alpha_sgd = min(1, 1/2 + (t - center) / period)        for t >= center
 
     The two pieces meet at t = center with the same value (1/2) and slope (1/period), so the blend is smooth;
-    it reaches pure SGD at center + period / 2. Akiba et al.: center 10 epochs, period 5 epochs.
+    it reaches pure SGD at center + period / 2. Akiba et al.: center 10 epochs, period 5 epochs. Their formula,
+    as transcribed by others, has slope 2 / period after the centre, which passes 1 before center + period / 2
+    (the boundary it states); this smooth reading is ours.
     """
 
     def __init__(self, center_steps: float, period_steps: float):
