@@ -109,8 +109,12 @@ def _flip_and_resize(image, flip: bool, flip_seed, image_size: int, dtype: tf.DT
 
 
 def center_crop_window(encoded: tf.Tensor, fraction: float = EVAL_CROP_FRACTION) -> tf.Tensor:
-    """Square window [y, x, side, side] (int32) of ``fraction`` of the shorter side, centred."""
-    shape = tf.image.extract_jpeg_shape(encoded)
+    """Square window [y, x, side, side] (int32) of ``fraction`` of the shorter side, centred, of a JPEG."""
+    return center_crop_window_of_shape(tf.image.extract_jpeg_shape(encoded), fraction)
+
+
+def center_crop_window_of_shape(shape: tf.Tensor, fraction: float = EVAL_CROP_FRACTION) -> tf.Tensor:
+    """center_crop_window for an image of ``shape`` [height, width, ...]."""
     height, width = shape[0], shape[1]
     side = tf.cast(fraction * tf.cast(tf.minimum(height, width), tf.float32), tf.int32)
     side = tf.maximum(side, 1)
@@ -123,3 +127,19 @@ def preprocess_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fraction: f
     image = tf.image.decode_and_crop_jpeg(encoded, center_crop_window(encoded, crop_fraction), channels=3,
                                          dct_method=DCT_METHOD)
     return _resize(image, image_size, dtype, resize_method)
+
+
+def preprocess_any_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fraction: float = EVAL_CROP_FRACTION,
+                            dtype: tf.DType = tf.float32, resize_method: str = 'bilinear') -> tf.Tensor:
+    """preprocess_for_eval for an encoded JPEG, PNG, GIF or BMP: JPEGs take exactly the evaluation path (decode
+    fused with the crop), other formats are decoded whole, then cropped and resized the same way."""
+    def other_format():
+        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        window = center_crop_window_of_shape(tf.shape(image), crop_fraction)
+        image = image[window[0]:window[0] + window[2], window[1]:window[1] + window[3]]
+        return _resize(image, image_size, dtype, resize_method)
+
+    return tf.cond(tf.io.is_jpeg(encoded),
+                   lambda: preprocess_for_eval(encoded, image_size, crop_fraction=crop_fraction, dtype=dtype,
+                                               resize_method=resize_method),
+                   other_format)

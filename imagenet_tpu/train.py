@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu import batch_norm, callbacks as callbacks_lib, checkpointing, classifier as classifier_lib
-from imagenet_tpu import collectives, export, input_pipeline, lars, record_io, regularization, resnet
+from imagenet_tpu import collectives, export, input_pipeline, labels, lars, record_io, regularization, resnet
 from imagenet_tpu import rmsprop_warmup, schedules
 from imagenet_tpu import strategy as strategy_lib, tfrecord
 from imagenet_tpu.config import Config
@@ -375,7 +375,8 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
 
     if config.model_dir and chief and config.export_saved_model:
         path = os.path.join(config.model_dir, 'saved_model')
-        export.export_saved_model(classifier.network, path)
+        names, _ = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
+        export.export_saved_model(classifier.network, path, config, names)
         print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
     if config.model_dir and chief:

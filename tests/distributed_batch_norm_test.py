@@ -76,7 +76,7 @@ class TrainWithGroupsTest(tf.test.TestCase):
         results = train.train_and_evaluate(config, strategy, print_fn=lambda line: None)
         loaded = tf.saved_model.load(os.path.join(config.model_dir, 'saved_model'))
         images, labels = self._images()
-        exported_logits = loaded.signatures['serving_default'](images=tf.constant(images))['logits'].numpy()
+        exported_logits = loaded.signatures['serving_preprocessed'](images=tf.constant(images))['logits'].numpy()
         # The distributed model, restored from the last checkpoint and run on 8 replicas.
         with strategy.scope():
             restored = train.build_classifier(config)

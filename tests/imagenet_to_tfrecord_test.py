@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import tfrecord
+from imagenet_tpu import labels as labels_lib, tfrecord
 
 helpers.use_eight_cpus()
 
@@ -61,11 +61,11 @@ def build_tree(root):
     return truth, odd
 
 
-def run_tool(raw, out):
+def run_tool(raw, out, *extra):
     return subprocess.run(
         [sys.executable, TOOL, f'--raw_dir={raw}', f'--output_dir={out}', '--train_shards=3',
          '--validation_shards=2', '--num_workers=2', f'--validation_labels={raw}/validation_labels.txt',
-         f'--bbox_dir={raw}/bbox'], capture_output=True, text=True, timeout=300,
+         f'--bbox_dir={raw}/bbox', *extra], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'))
 
 
@@ -84,8 +84,18 @@ class ConverterTest(tf.test.TestCase):
     def test_converts_resumes_and_reports(self):
         raw, out = os.path.join(self.get_temp_dir(), 'raw'), os.path.join(self.get_temp_dir(), 'out')
         truth, odd = build_tree(raw)
-        process = run_tool(raw, out)
+        words = os.path.join(raw, 'synset_words.txt')   # ILSVRC's format; the third class has no line
+        with open(words, 'w') as f:
+            f.write(f'{WNIDS[0]} tench, Tinca tinca\n{WNIDS[1]} goldfish, Carassius auratus\n')
+        process = run_tool(raw, out, f'--synset_words={words}')
         self.assertEqual(process.returncode, 0, process.stderr)
+        with open(os.path.join(out, 'labels.txt')) as f:
+            self.assertEqual(f.read().splitlines(), [f'1\t{WNIDS[0]}\ttench, Tinca tinca',
+                                                     f'2\t{WNIDS[1]}\tgoldfish, Carassius auratus',
+                                                     f'3\t{WNIDS[2]}\t{WNIDS[2]}'])
+        names, ids = labels_lib.class_names(3, 1, data_dir=out)
+        self.assertEqual(names, ['tench, Tinca tinca', 'goldfish, Carassius auratus', WNIDS[2]])
+        self.assertEqual(ids, list(WNIDS))
         self.assertIn('3 classes, 10 training and 4 validation images', process.stdout)
         self.assertRegex(process.stdout, r'shards \d/5, .* images/s, ETA')
         self.assertIn('skipped unreadable image', process.stdout)

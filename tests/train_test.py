@@ -86,7 +86,7 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         config = dataclasses.replace(self.config, export_saved_model=True, train_epochs=1, label_smoothing=0.1,
                                      model_dir=os.path.join(self.get_temp_dir(), 'exported'))
         results = train.train_and_evaluate(config, helpers.mirrored(8), print_fn=lambda line: None)
-        served = tf.saved_model.load(os.path.join(config.model_dir, 'saved_model')).signatures['serving_default']
+        served = tf.saved_model.load(os.path.join(config.model_dir, 'saved_model')).signatures['serving_preprocessed']
         losses, correct = [], []
         for images, labels, weights in input_pipeline.eval_dataset(config):
             logits = served(images=images)['logits'].numpy().astype(np.float64)

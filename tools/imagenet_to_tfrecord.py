@@ -8,7 +8,8 @@ Input (--raw_dir):
                                         imagenet_2012_validation_synset_labels.txt), or lines "<file name> <wnid>";
                                         or validation/<wnid>/*.JPEG like train/, with no label file
     --bbox_dir (optional)               ILSVRC bounding-box XML files (<image stem>.xml, any folder depth)
-Output (--output_dir): train-00000-of-01024 ... and validation-00000-of-00128 ...
+Output (--output_dir): train-00000-of-01024 ... and validation-00000-of-00128 ..., and labels.txt (on-disk
+label, wnid, name: --synset_words gives ILSVRC's names, else the wnid is the name).
 
 Labels are 1..1000 on disk: the wnids sorted, the first is 1. The known odd files (one PNG and 22 CMYK JPEGs in
 the training set) are re-encoded as RGB JPEG; an image that cannot be read at all is skipped and listed at the
@@ -42,6 +43,8 @@ _TRAIN_SHARDS = flags.DEFINE_integer('train_shards', 1024, 'Training shards (ten
 _VALIDATION_SHARDS = flags.DEFINE_integer('validation_shards', 128, 'Validation shards (tensorflow/tpu: 128).')
 _NUM_WORKERS = flags.DEFINE_integer('num_workers', os.cpu_count(), 'Processes encoding shards in parallel.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the order of training images across shards.')
+_SYNSET_WORDS = flags.DEFINE_string('synset_words', None, "ILSVRC's synset_words.txt ('n01440764 tench, Tinca "
+                                    "tinca' per line): the class names written to labels.txt (else the wnids).")
 
 IMAGE_EXTENSIONS = ('.jpeg', '.jpg', '.png')
 
@@ -196,16 +199,28 @@ def _duration(seconds: float) -> str:
     return f'{seconds // 3600}h{seconds % 3600 // 60:02d}m' if seconds >= 3600 else f'{seconds // 60}m{seconds % 60:02d}s'
 
 
+def write_labels(output_dir: str, wnids: List[str], synset_words: Optional[str] = None) -> str:
+    """labels.txt beside the shards: on-disk label, wnid and name (from synset_words.txt, else the wnid)."""
+    from imagenet_tpu import labels
+    names = labels.synset_words(synset_words) if synset_words else {}
+    path = labels.path_in(output_dir)
+    with open(path, 'w') as f:
+        f.write(labels.format_lines(labels.Label(label, wnid, names.get(wnid, wnid))
+                                    for label, wnid in enumerate(wnids, start=1)))
+    return path
+
+
 def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] = None,
             bbox_dir: Optional[str] = None, train_shards: int = 1024, validation_shards: int = 128,
-            num_workers: int = 1, seed: int = 0, print_fn=print) -> dict:
-    """Writes all missing shards; returns counts: records, reencoded, skipped (list of (path, reason)),
-    shards_written, shards_skipped."""
+            num_workers: int = 1, seed: int = 0, synset_words: Optional[str] = None, print_fn=print) -> dict:
+    """Writes all missing shards and labels.txt; returns counts: records, reencoded, skipped (list of (path,
+    reason)), shards_written, shards_skipped."""
     boxes = index_boxes(bbox_dir)
     train_items, wnids = find_train(raw_dir, boxes)
     validation_items = find_validation(raw_dir, wnids, validation_labels, boxes)
     random.Random(seed).shuffle(train_items)  # mixes classes within each shard; fixed, so a resume matches
     os.makedirs(output_dir, exist_ok=True)
+    write_labels(output_dir, wnids, synset_words)
     tasks = (make_tasks(output_dir, 'train', train_items, train_shards)
              + make_tasks(output_dir, 'validation', validation_items, validation_shards))
     todo = [task for task in tasks if not os.path.exists(task.path)]
@@ -248,7 +263,7 @@ def main(argv):
         convert(_RAW_DIR.value, _OUTPUT_DIR.value, validation_labels=_VALIDATION_LABELS.value,
                         bbox_dir=_BBOX_DIR.value, train_shards=_TRAIN_SHARDS.value,
                         validation_shards=_VALIDATION_SHARDS.value, num_workers=_NUM_WORKERS.value,
-                        seed=_SEED.value)
+                        seed=_SEED.value, synset_words=_SYNSET_WORDS.value)
     except (ConversionError, OSError) as error:
         sys.exit(f'error: {error}')
 

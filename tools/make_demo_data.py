@@ -2,7 +2,8 @@
 
 The 8x8 scans (16 grey levels) are upsampled to --image_size pixels, made RGB, JPEG-encoded and written by the
 same writer as the ImageNet converter, with on-disk labels 1..10 (the ImageNet convention: label_offset=1).
-The train/validation split is fixed by --seed, so every run of the demo sees the same held-out images.
+The train/validation split is fixed by --seed, so every run of the demo sees the same held-out images. The
+class names (zero ... nine) go to labels.txt beside the shards.
 
     python tools/make_demo_data.py --output_dir data/demo
 """
@@ -19,6 +20,8 @@ _VALIDATION_FRACTION = flags.DEFINE_float('validation_fraction', 0.2, 'Share of 
 _TRAIN_SHARDS = flags.DEFINE_integer('train_shards', 8, 'Number of training shards.')
 _VALIDATION_SHARDS = flags.DEFINE_integer('validation_shards', 2, 'Number of validation shards.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the train/validation split.')
+
+DIGIT_NAMES = ('zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine')
 
 
 def digit_images(image_size: int):
@@ -53,6 +56,9 @@ def main(argv):
     os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
     write_split(_OUTPUT_DIR.value, 'train', images[train], digits[train], _TRAIN_SHARDS.value)
     write_split(_OUTPUT_DIR.value, 'validation', images[validation], digits[validation], _VALIDATION_SHARDS.value)
+    from imagenet_tpu import labels
+    labels.write(labels.path_in(_OUTPUT_DIR.value),
+                 [labels.Label(digit + 1, f'digit{digit}', name) for digit, name in enumerate(DIGIT_NAMES)])
     print(f'wrote {len(train)} training and {len(validation)} validation digits ({_IMAGE_SIZE.value}x'
           f'{_IMAGE_SIZE.value} JPEG, labels 1..10) to {_OUTPUT_DIR.value}')
 
