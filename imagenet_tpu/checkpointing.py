@@ -2,6 +2,7 @@
 resuming from the newest readable one, the check that model_dir holds the same model, and the model.fit calls
 a resumed run makes (fit_segments)."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -201,10 +202,13 @@ def ensure_writable(model_dir: str) -> None:
 
 
 def prepare_model_dir(config: Config, chief: bool) -> None:
-    """Checks at start that model_dir can be written and (on the chief) holds no other model's checkpoints."""
+    """Checks at start that model_dir can be written and (on the chief) holds no other model's checkpoints, and
+    records the run's settings in model_dir/config.json (what the evaluation command starts from)."""
     ensure_writable(config.model_dir)
     if chief:
         check_model_settings(config, config.model_dir)
+        with tf.io.gfile.GFile(os.path.join(config.model_dir, 'config.json'), 'w') as f:
+            json.dump(dataclasses.asdict(config), f, indent=2)
 
 
 def resume(classifier: keras.Model, model_dir: str, strategy: tf.distribute.Strategy,

@@ -1,0 +1,243 @@
+"""Evaluation of a run's checkpoints: top-1, top-5, loss and per-class accuracy on every validation image once.
+
+    imagenet-tpu-eval --model_dir=RUN                       # the latest checkpoint
+    imagenet-tpu-eval --model_dir=RUN --checkpoint=all      # every checkpoint kept, and a plot over them
+    imagenet-tpu-eval --model_dir=RUN --checkpoint=ckpt-500 --data_dir=/other/imagenet --strategy=mirrored
+
+The run's settings come from RUN/config.json (written when it trained); any training flag given on the command
+line overrides them, and --flagfile works as for training (for a run without config.json, the flags alone
+describe it). The batch-norm statistics are the run's: moving
+averages, the last batch's, or re-estimated from training batches ('reestimate', which then needs the training
+shards). Results go to RUN/eval/: CKPT.json (top-1, top-5, loss, images), CKPT_per_class.csv (accuracy of each
+class, named from labels.txt) and, for several checkpoints, accuracy.png and summary.json.
+"""
+
+import csv
+import dataclasses
+import json
+import os
+import re
+from typing import List, Optional
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from imagenet_tpu import runtime  # first: sets oneDNN before TensorFlow is imported (runtime.py)
+
+tf = runtime.import_tensorflow()
+from absl import app, flags, logging  # noqa: E402
+import numpy as np  # noqa: E402
+
+from imagenet_tpu import batch_norm, callbacks, checkpointing, config as config_lib, labels  # noqa: E402
+from imagenet_tpu import main as main_lib, strategy as strategy_lib, train  # noqa: E402
+from imagenet_tpu.config import Config  # noqa: E402
+from imagenet_tpu.errors import CheckpointError, ConfigError, RunError  # noqa: E402
+
+_CHECKPOINT = flags.DEFINE_string('checkpoint', 'latest', "Which checkpoint of --model_dir: 'latest', 'all' or a "
+                                  "name such as ckpt-500.")
+CONFIG_FILE = 'config.json'
+
+
+def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
+    """The Config a run trained with (MODEL_DIR/config.json), with ``overrides`` applied."""
+    path = os.path.join(model_dir, CONFIG_FILE)
+    if not tf.io.gfile.exists(path):
+        raise CheckpointError(f'--model_dir {model_dir} has no {CONFIG_FILE}: not a run of this package, or one '
+                              'from before it wrote one (pass the run\'s flags, e.g. its --flagfile)')
+    with tf.io.gfile.GFile(path) as f:
+        values = json.load(f)
+    kinds = dict((field.name, kind) for field, kind in config_lib.settings())
+    for name, value in values.items():
+        if isinstance(value, list) and name in kinds:
+            values[name] = tuple(value)
+    known = {field.name for field in dataclasses.fields(Config)}
+    values = {name: value for name, value in values.items() if name in known}
+    return Config(**{**values, **(overrides or {}), 'model_dir': model_dir})
+
+
+def select_checkpoints(model_dir: str, which: str) -> List[str]:
+    """Paths of the checkpoints ``which`` names ('latest', 'all' or 'ckpt-N') in MODEL_DIR/checkpoints."""
+    directory = os.path.join(model_dir, 'checkpoints')
+    state = tf.train.get_checkpoint_state(directory)
+    paths = list(state.all_model_checkpoint_paths) if state else []
+    if not paths:
+        raise CheckpointError(f'no checkpoint in {directory}')
+    if which == 'latest':
+        return [paths[-1]]
+    if which == 'all':
+        return paths
+    chosen = [path for path in paths if os.path.basename(path) == which]
+    if not chosen:
+        raise CheckpointError(f'{directory} has no {which}; it has '
+                              + ', '.join(os.path.basename(path) for path in paths))
+    return chosen
+
+
+def checkpoint_step(path: str) -> int:
+    found = re.search(r'ckpt-(\d+)$', path)
+    return int(found.group(1)) if found else -1
+
+
+class Evaluator:
+    """A run's network under its strategy, restoring checkpoints and evaluating each on the validation set."""
+
+    def __init__(self, config: Config, strategy: Optional[tf.distribute.Strategy] = None):
+        self.config = config
+        self.strategy = strategy or train.build_strategy(config)
+        train.check_replicas(config, self.strategy.num_replicas_in_sync)
+        with self.strategy.scope():
+            self.classifier = train.build_classifier(config)
+        self.manager = checkpointing.checkpoint_manager(self.classifier, config.model_dir, self.strategy)
+        self.names, self.ids = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
+        self._step_fn = None
+
+    def restore(self, path: str) -> None:
+        try:
+            self.manager.checkpoint.restore(path).assert_existing_objects_matched()
+        except (AssertionError, ValueError) as error:
+            first_line = str(error).strip().splitlines()[0]
+            raise CheckpointError(f'{path} does not fit this model: {first_line}') from None
+        except (tf.errors.OpError, IndexError, OSError) as error:
+            raise CheckpointError(f'cannot read {path} ({type(error).__name__})') from None
+
+    def _logits_step(self):
+        network, strategy = self.classifier.network, self.strategy
+
+        @tf.function
+        def step(batch):
+            def replica(images, labels_, weights):
+                return tf.cast(network(images, training=False), tf.float32), labels_, weights
+            outputs = strategy.run(replica, args=batch)
+            return [tf.concat(strategy.experimental_local_results(value), axis=0) for value in outputs]
+        return step
+
+    def evaluate(self, path: str) -> dict:
+        """Restores ``path`` and evaluates it: top_1, top_5, loss (with the run's label smoothing), images, and
+        per_class (images and top-1 of each class)."""
+        config = self.config
+        self.restore(path)
+        network = self.classifier.network
+        if config.norm != 'none':
+            callbacks.average_moving_statistics(network, self.strategy)
+            if config.bn_inference_statistics == 'reestimate':
+                train_data = train.build_train_dataset(config, self.strategy, checkpoint_step(path))
+                batch_norm.reestimate_statistics(network, iter(train_data), config.bn_reestimate_batches,
+                                                 self.strategy)
+        self._step_fn = self._step_fn or self._logits_step()
+        eval_data = train.build_eval_dataset(config, self.strategy)
+        steps = config.eval_steps_for(strategy_lib.num_input_pipelines(self.strategy))
+        classes = config.num_classes
+        correct, counts = np.zeros(classes), np.zeros(classes)
+        top_5, loss_sum = 0.0, 0.0
+        iterator = iter(eval_data)
+        for _ in range(steps):
+            logits, labels_, weights = (value.numpy() for value in self._step_fn(next(iterator)))
+            keep = weights > 0
+            logits, labels_ = logits[keep].astype(np.float64), labels_[keep]
+            log_probabilities = logits - logits.max(1, keepdims=True)
+            log_probabilities -= np.log(np.exp(log_probabilities).sum(1, keepdims=True))
+            targets = np.eye(classes)[labels_] * (1 - config.label_smoothing) + config.label_smoothing / classes
+            loss_sum += float(-(targets * log_probabilities).sum())
+            ranked = np.argsort(-logits, axis=1, kind='stable')
+            np.add.at(counts, labels_, 1)
+            np.add.at(correct, labels_, ranked[:, 0] == labels_)
+            top_5 += float(np.sum(ranked[:, :5] == labels_[:, None]))
+        images = int(counts.sum())
+        return {'checkpoint': os.path.basename(path), 'step': checkpoint_step(path), 'images': images,
+                'top_1': float(correct.sum() / max(images, 1)), 'top_5': top_5 / max(images, 1),
+                'loss': loss_sum / max(images, 1),
+                'per_class': [{'class': index, 'id': self.ids[index], 'name': self.names[index],
+                               'images': int(counts[index]),
+                               'top_1': float(correct[index] / counts[index]) if counts[index] else float('nan')}
+                              for index in range(classes)]}
+
+
+def write_results(model_dir: str, result: dict) -> str:
+    """RUN/eval/CKPT.json and CKPT_per_class.csv; returns the folder."""
+    folder = os.path.join(model_dir, 'eval')
+    tf.io.gfile.makedirs(folder)
+    name = result['checkpoint']
+    with tf.io.gfile.GFile(os.path.join(folder, f'{name}.json'), 'w') as f:
+        json.dump({key: value for key, value in result.items() if key != 'per_class'}, f, indent=2)
+    with tf.io.gfile.GFile(os.path.join(folder, f'{name}_per_class.csv'), 'w') as f:
+        writer = csv.writer(f)
+        writer.writerow(['class', 'id', 'name', 'images', 'top_1'])
+        for row in result['per_class']:
+            writer.writerow([row['class'], row['id'], row['name'], row['images'], f'{row["top_1"]:.6f}'])
+    return folder
+
+
+def plot(results: List[dict], path: str) -> None:
+    """Top-1 and top-5 over the checkpoints' steps, as a PNG."""
+    import matplotlib  # pylint: disable=import-outside-toplevel  (only for runs with several checkpoints)
+    matplotlib.use('Agg')
+    from matplotlib import pyplot
+    figure, axis = pyplot.subplots(figsize=(7, 4))
+    steps = [result['step'] for result in results]
+    for key, label in (('top_1', 'top-1'), ('top_5', 'top-5')):
+        axis.plot(steps, [100 * result[key] for result in results], marker='o', label=label)
+    axis.set_xlabel('training step')
+    axis.set_ylabel('held-out accuracy (%)')
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    with tf.io.gfile.GFile(path, 'wb') as f:
+        figure.savefig(f, format='png', dpi=100)
+    pyplot.close(figure)
+
+
+def evaluate_run(config: Config, which: str = 'latest', strategy: Optional[tf.distribute.Strategy] = None,
+                 print_fn=print) -> List[dict]:
+    """Evaluates the checkpoints ``which`` names of config.model_dir; writes and returns their results."""
+    paths = select_checkpoints(config.model_dir, which)
+    checkpointing.check_model_settings(config, config.model_dir)
+    evaluator = Evaluator(config, strategy)
+    results = []
+    for path in paths:
+        result = evaluator.evaluate(path)
+        folder = write_results(config.model_dir, result)
+        print_fn(f'{result["checkpoint"]} (step {result["step"]}): top-1 {100 * result["top_1"]:.2f}% top-5 '
+                 f'{100 * result["top_5"]:.2f}% loss {result["loss"]:.4f} on {result["images"]} images')
+        if result['images'] != config.num_eval_images:
+            print_fn(f'warning: evaluated {result["images"]} images but --num_eval_images={config.num_eval_images}')
+        results.append(result)
+    if len(results) > 1:
+        plot(results, os.path.join(folder, 'accuracy.png'))
+        with tf.io.gfile.GFile(os.path.join(folder, 'summary.json'), 'w') as f:
+            json.dump([{key: value for key, value in result.items() if key != 'per_class'} for result in results],
+                      f, indent=2)
+        print_fn(f'wrote {os.path.join(folder, "accuracy.png")}')
+    return results
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel('WARNING')
+    if len(argv) > 1:
+        main_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    model_dir = flags.FLAGS.model_dir
+    try:
+        if not model_dir:
+            raise ConfigError('--model_dir is not set (the folder of a training run)')
+        if tf.io.gfile.exists(os.path.join(model_dir, CONFIG_FILE)):
+            config = run_config(model_dir, {field.name: value for field, value in zip(*_given_settings())})
+        else:   # a run from before config.json: its flags (e.g. its --flagfile) describe it
+            config = main_lib.config_from_flags()
+        evaluate_run(config, _CHECKPOINT.value, print_fn=lambda line: print(line, flush=True))
+    except RunError as error:
+        main_lib.fail(str(error), main_lib.exit_status(error))
+
+
+def _given_settings():
+    """(fields, values) of the training settings given on the command line or in a flagfile."""
+    given = [(field, value) for field, value in zip(dataclasses.fields(Config),
+                                                    dataclasses.astuple(main_lib.config_from_flags()))
+             if flags.FLAGS[field.name].present and field.name != 'model_dir']
+    return [field for field, _ in given], [value for _, value in given]
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == '__main__':
+    run()
