@@ -7,13 +7,14 @@ import json
 import os
 import signal
 import threading
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import tensorflow as tf
+from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 import tf_keras as keras
 
 from imagenet_tpu.config import Config
-from imagenet_tpu.errors import CheckpointError, ConfigError
+from imagenet_tpu.errors import CheckpointError, ConfigError, Preempted
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -109,6 +110,44 @@ class SaveOnSigterm(keras.callbacks.Callback):
             self.saved_step = step
             self.model.stop_training = True
             self.print_fn(f'SIGTERM: saved step {step} to {self.manager.directory}; stopping')
+
+
+class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
+    """SIGTERM to any worker of a MultiWorkerMirroredStrategy run: every worker saves the same step and
+    train_and_evaluate raises Preempted on each (exit status 143: run the same command again).
+
+    TensorFlow's own tf.distribute.experimental.PreemptionCheckpointHandler does the agreement: the worker that
+    receives the signal publishes a step through the cluster's coordination service, and every worker saves its
+    checkpoint at that step (the chief to model_dir/checkpoints, the others to their own folders, as for
+    periodic checkpoints). Create it before restoring, so that the run's own restore has the last word.
+    """
+
+    def __init__(self, manager: tf.train.CheckpointManager, strategy: tf.distribute.Strategy, print_fn=print):
+        super().__init__()
+        self.manager, self.print_fn = manager, print_fn
+        self.saved_step = None
+        self._step = 0
+        config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
+        self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
+            strategy.cluster_resolver, manager, termination_config=config)
+
+    def _exit(self):
+        self.saved_step = self._step
+        self.print_fn(f'preemption: every worker saved step {self._step}; stopping')
+        raise Preempted(f'stopped by SIGTERM to a worker at step {self._step}, after every worker saved it; run '
+                        'the same command again to continue')
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step = int(self.model.optimizer.iterations.numpy())
+        with deprecation.silence():   # the handler reads its own deprecated total_run_calls when it saves
+            self.handler.save_checkpoint_if_preempted(checkpoint_number=self._step)
+
+
+def uses_cluster(strategy: tf.distribute.Strategy) -> bool:
+    """Whether ``strategy`` is a MultiWorkerMirroredStrategy over a cluster of workers (TF_CONFIG)."""
+    resolver = getattr(strategy, 'cluster_resolver', None)
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver is not None
+            and bool(resolver.cluster_spec().jobs))
 
 
 # The settings that define the network's variables: a checkpoint only fits a network built with the same ones.
@@ -212,11 +251,16 @@ def prepare_model_dir(config: Config, chief: bool) -> None:
 
 
 def resume(classifier: keras.Model, model_dir: str, strategy: tf.distribute.Strategy,
-           print_fn=print) -> tf.train.CheckpointManager:
-    """This process's checkpoint manager, after restoring the run's newest readable checkpoint if any. Every
-    worker resumes from the chief's checkpoints."""
+           print_fn=print) -> Tuple[tf.train.CheckpointManager, keras.callbacks.Callback]:
+    """(this process's checkpoint manager, the callback that saves on SIGTERM), after restoring the run's newest
+    readable checkpoint if any. Every worker resumes from the chief's checkpoints. On a cluster of workers the
+    SIGTERM callback is SaveOnPreemptionAcrossWorkers, else SaveOnSigterm."""
     manager = checkpoint_manager(classifier, model_dir, strategy)
+    if uses_cluster(strategy):
+        on_sigterm = SaveOnPreemptionAcrossWorkers(manager, strategy, print_fn)
+    else:
+        on_sigterm = SaveOnSigterm(manager, print_fn)
     restored = restore_latest(manager, print_fn, os.path.join(model_dir, 'checkpoints'))
     if restored:
         print_fn(f'resumed from {restored} at step {int(classifier.optimizer.iterations.numpy())}')
-    return manager
+    return manager, on_sigterm

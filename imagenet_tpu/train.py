@@ -244,7 +244,7 @@ def build_datasets(config: Config, strategy: tf.distribute.Strategy, start_step:
 
 def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy,
                     manager: Optional[tf.train.CheckpointManager], skip_counts: SkipCounts, train_data,
-                    print_fn=print) -> list:
+                    print_fn=print, on_sigterm: Optional[keras.callbacks.Callback] = None) -> list:
     """The run's callbacks, in the order they must run: Progress and ReportSkips add to the epoch logs, so they
     come before TensorBoard; StopOnNonFiniteLoss comes before Checkpoints, so a diverged step is never saved."""
     callbacks = [callbacks_lib.Progress(config.train_steps, config.global_batch_size, config.log_every_steps,
@@ -252,7 +252,7 @@ def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strat
                  callbacks_lib.ReportSkips(skip_counts, print_fn), callbacks_lib.StopOnNonFiniteLoss()]
     if manager is not None:
         callbacks += [checkpointing.Checkpoints(manager, config.checkpoint_every_steps),
-                      checkpointing.SaveOnSigterm(manager, print_fn)]
+                      on_sigterm or checkpointing.SaveOnSigterm(manager, print_fn)]
     if config.norm != 'none':   # evaluation with the statistics a checkpoint and the export hold
         callbacks.append(callbacks_lib.AverageMovingStatistics(classifier.network, strategy))
         if config.bn_inference_statistics == 'reestimate':
@@ -359,11 +359,13 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     check_replicas(config, strategy.num_replicas_in_sync)
     with strategy.scope():
         classifier = build_classifier(config)
-    manager = checkpointing.resume(classifier, config.model_dir, strategy, print_fn) if config.model_dir else None
+    manager, on_sigterm = (checkpointing.resume(classifier, config.model_dir, strategy, print_fn)
+                           if config.model_dir else (None, None))
 
     skip_counts = SkipCounts()
     train_data, eval_data = build_datasets(config, strategy, _step(classifier), skip_counts)
-    callbacks = build_callbacks(config, classifier, strategy, manager, skip_counts, train_data, print_fn)
+    callbacks = build_callbacks(config, classifier, strategy, manager, skip_counts, train_data, print_fn,
+                                on_sigterm)
     print_fn(f'{config.depth}-layer ResNet, {strategy.num_replicas_in_sync} replicas '
              f'({type(strategy).__name__}), global batch {config.global_batch_size}, '
              f'{config.steps_per_epoch} steps/epoch, {config.train_steps} steps')

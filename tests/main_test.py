@@ -225,7 +225,7 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         # The seed, op determinism and the strategy are applied by train_and_evaluate itself, so Config(...) in
         # Python runs exactly as the same flags do. Both in fresh processes: the seed and determinism are global.
         settings = dict(data_dir=self.data_dir, depth=10, image_size=16, num_classes=4, num_train_images=48,
-                        num_eval_images=20, global_batch_size=16, eval_batch_size=16, train_epochs=2,
+                        num_eval_images=20, global_batch_size=16, eval_batch_size=16, train_epochs=1,
                         strategy='cpu', num_cpu_devices=2, seed=5, deterministic=True, log_every_steps=0)
         cli_dir, api_dir = (os.path.join(self.root, name) for name in ('cli', 'api'))
         code, stderr = run_main(*[f'--{name}={value}' for name, value in settings.items()], f'--model_dir={cli_dir}')
@@ -244,7 +244,7 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         for directory in (cli_dir, api_dir):
             with open(os.path.join(directory, 'results.json')) as f:
                 results.append(json.load(f))
-        self.assertEqual(results[0]['steps'], 6)
+        self.assertEqual(results[0]['steps'], 3)
         for name in ('train_loss', 'loss', 'top_1'):
             self.assertEqual(results[0][name], results[1][name], name)
 

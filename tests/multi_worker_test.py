@@ -57,11 +57,17 @@ class ClusterTest(tf.test.TestCase):
 @pytest.mark.slow
 class MultiWorkerTest(tf.test.TestCase):
 
+    STEPS = 16
+
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls.root = helpers.class_folder(cls)
         cls.data_dir = os.path.join(cls.root, 'data')
+        # One uninterrupted run, the reference of every test below.
+        cls.reference_dir = os.path.join(cls.root, 'uninterrupted')
+        cls.reference = subprocess.run(launcher(cls.data_dir, cls.reference_dir, cls.STEPS), env=environment(),
+                                       capture_output=True, text=True, timeout=TIMEOUT)
 
     def assert_workers_agree(self, model_dir, steps):
         chief = os.path.join(model_dir, 'checkpoints')
@@ -75,19 +81,16 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertTrue(any(np.any(value != 0) for name, value in first.items() if 'kernel' in name))
 
     def test_two_workers_train_together_and_end_with_identical_weights(self):
-        model_dir = os.path.join(self.root, 'together')
-        process = subprocess.run(launcher(self.data_dir, model_dir, 12), env=environment(), capture_output=True,
-                                 text=True, timeout=TIMEOUT)
-        self.assertEqual(process.returncode, 0, errors(process.stdout))
+        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
         for index in range(2):
-            self.assertIn(f'[worker {index}] 10-layer ResNet, 2 replicas', process.stdout)
-        self.assert_workers_agree(model_dir, 12)
+            self.assertIn(f'[worker {index}] 10-layer ResNet, 2 replicas', self.reference.stdout)
+        self.assert_workers_agree(self.reference_dir, self.STEPS)
 
     def test_a_killed_worker_then_the_same_command_continues_from_the_last_checkpoint(self):
         model_dir = os.path.join(self.root, 'killed')
         log_path = os.path.join(self.root, 'killed.log')
         with open(log_path, 'w') as log:
-            process = subprocess.Popen(launcher(self.data_dir, model_dir, 36), env=environment(), stdout=log,
+            process = subprocess.Popen(launcher(self.data_dir, model_dir, self.STEPS), env=environment(), stdout=log,
                                        stderr=subprocess.STDOUT, text=True)
             deadline = time.time() + TIMEOUT
             while latest_step(os.path.join(model_dir, 'checkpoints')) < 8:
@@ -105,15 +108,64 @@ class MultiWorkerTest(tf.test.TestCase):
             text = f.read()
         self.assertIn('worker 1 exited with status -9; stopping the others', text)
         reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch [\d.]+ step (\d+)/', text))
-        process = subprocess.run(launcher(self.data_dir, model_dir, 36), env=environment(), capture_output=True,
-                                 text=True, timeout=TIMEOUT)
+        process = subprocess.run(launcher(self.data_dir, model_dir, self.STEPS), env=environment(),
+                                 capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(process.returncode, 0, errors(process.stdout))
         resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
         self.assertLen(resumed, 2)                  # both workers, from the chief's checkpoint
         self.assertEqual(resumed[0], resumed[1])
         print(f'worker 1 killed with worker 0 at step {reached}; both resumed at step {resumed[0]}')
         self.assertBetween(reached - resumed[0], 0, 4 + 1)
-        self.assert_workers_agree(model_dir, 36)
+        self.assert_workers_agree(model_dir, self.STEPS)
+
+
+    def test_sigterm_to_one_worker_saves_the_same_step_on_every_worker_and_the_same_command_continues(self):
+        steps, reference_dir = self.STEPS, self.reference_dir
+        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        model_dir = os.path.join(self.root, 'preempted')
+        log_path = os.path.join(self.root, 'preempted.log')
+        with open(log_path, 'w') as log:
+            process = subprocess.Popen(launcher(self.data_dir, model_dir, steps), env=environment(), stdout=log,
+                                       stderr=subprocess.STDOUT, text=True)
+            deadline = time.time() + TIMEOUT
+            while latest_step(os.path.join(model_dir, 'checkpoints')) < 8:
+                self.assertIsNone(process.poll(), 'the workers ended before the signal')
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.1)
+            with open(log_path) as f:
+                pid = int(re.search(r'worker 1 pid (\d+)', f.read()).group(1))
+            os.kill(pid, signal.SIGTERM)
+            self.assertEqual(process.wait(TIMEOUT), 143)     # "run again", from the launcher as from each worker
+        with open(log_path) as f:
+            text = f.read()
+        saved = [int(step) for step in re.findall(r'\[worker \d\] preemption: every worker saved step (\d+)', text)]
+        self.assertLen(saved, 2, errors(text))
+        self.assertEqual(saved[0], saved[1])
+        self.assertLess(saved[0], steps)
+        self.assertNotIn('Traceback', text)
+        self.assert_workers_agree(model_dir, saved[0])
+        process = subprocess.run(launcher(self.data_dir, model_dir, steps), env=environment(), capture_output=True,
+                                 text=True, timeout=TIMEOUT)
+        self.assertEqual(process.returncode, 0, errors(process.stdout))
+        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
+        self.assertEqual(resumed, [saved[0], saved[0]])
+        self.assert_workers_agree(model_dir, steps)
+        # Against the uninterrupted run: weights and optimizer slots exactly; batch-norm moving statistics,
+        # which each replica keeps and a checkpoint stores as their mean, to float32 rounding of the tensor's scale.
+        preempted = helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
+        reference = helpers.checkpoint_variables(os.path.join(reference_dir, 'checkpoints'))
+        compared = 0
+        for name, value in reference.items():
+            if name.startswith(('save_counter', 'checkpointed_runs')) or name not in preempted:
+                continue
+            difference = np.max(np.abs(preempted[name].astype(np.float64) - value))
+            if '/moving_' in name:
+                self.assertLess(difference / max(np.max(np.abs(value)), 1e-3), 1e-5, name)
+            else:
+                self.assertEqual(difference, 0.0, name)
+            compared += 1
+        print(f'preempted at step {saved[0]} of {steps}; {compared} variables compared with the uninterrupted run')
+        self.assertGreater(compared, 50)
 
 
 if __name__ == '__main__':

@@ -5,8 +5,9 @@
 
 Each worker is `python -m imagenet_tpu.main ARGS` with its own TF_CONFIG (imagenet_tpu.cluster); output lines
 are prefixed with [worker I]. If one worker fails or is killed, the others are stopped (a collective would
-otherwise wait for it forever) and the exit status is the failed worker's. Running the same command again
-resumes every worker from the chief's last checkpoint.
+otherwise wait for it forever) and the exit status is the failed worker's. SIGTERM to a worker (preemption)
+makes every worker save the same step and exit with status 143, which this launcher returns too. Running the
+same command again resumes every worker from the chief's last checkpoint.
 """
 
 import os
@@ -41,6 +42,16 @@ def stop(processes, grace_seconds: float = 10.0) -> None:
             process.wait()
 
 
+PREEMPTED = 143                  # a worker's status after SIGTERM to any worker: every worker saved, run again
+PREEMPTION_GRACE_SECONDS = 60.0
+
+
+def _wait(processes, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and any(process.poll() is None for process in processes):
+        time.sleep(0.2)
+
+
 def run_workers(num_workers: int, args: list, timeout_seconds: float = 0) -> int:
     """Starts the workers, waits for all; returns 0, or the status of the first that failed (124: timeout)."""
     workers = cluster.local_workers(num_workers)
@@ -61,7 +72,11 @@ def run_workers(num_workers: int, args: list, timeout_seconds: float = 0) -> int
         if failed:
             status = failed[0].returncode
             index = processes.index(failed[0])
-            print(f'worker {index} exited with status {status}; stopping the others', flush=True)
+            if status == PREEMPTED:   # the others are saving the same step and will exit with it too
+                print(f'worker {index} was preempted (status {status}); waiting for the others to save', flush=True)
+                _wait(processes, PREEMPTION_GRACE_SECONDS)
+            else:
+                print(f'worker {index} exited with status {status}; stopping the others', flush=True)
             break
         if deadline and time.time() > deadline:
             status = 124
