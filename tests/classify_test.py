@@ -2,6 +2,7 @@
 out (text or JSON lines), equal to the SavedModel's own outputs; unreadable and non-image files skipped with a
 line each, never a traceback."""
 
+import io
 import json
 import os
 import subprocess
@@ -74,16 +75,14 @@ class ClassifyTest(tf.test.TestCase):
                                           'file matches it as a pattern']))
         self.assertIn('classified 4 images, skipped 3', err)
 
-    def test_text_lines(self):
-        code, out, err = run_classify(f'--saved_model={self.saved_model}', os.path.join(self.photos, 'a.jpg'))
-        self.assertEqual(code, 0, err)
-        self.assertRegex(out.strip(), r'^\S+a\.jpg: (\w+ [01]\.\d{3}, ){3}\w+ [01]\.\d{3}$')
-
-    def test_no_saved_model_is_one_line(self):
-        code, out, err = run_classify(f'--saved_model={self.root}', os.path.join(self.photos, 'a.jpg'))
-        self.assertEqual(code, 2)
-        self.assertEqual(err.strip().splitlines(), [f'error: --saved_model {self.root} holds no SavedModel (train '
-                                                    'with --export_saved_model)'])
+    def test_text_lines_and_a_missing_saved_model(self):
+        served = classify.load(self.saved_model)
+        out = io.StringIO()
+        counts = classify.classify(served, [os.path.join(self.photos, 'a.jpg')], 4, as_json=False, out=out)
+        self.assertEqual(counts, {'classified': 1, 'skipped': 0})
+        self.assertRegex(out.getvalue().strip(), r'^\S+a\.jpg: (\w+ [01]\.\d{3}, ){3}\w+ [01]\.\d{3}$')
+        with self.assertRaisesRegex(ValueError, f'--saved_model {self.root} holds no SavedModel'):
+            classify.load(self.root)
 
     def test_expand_reports_what_gave_nothing(self):
         empty = os.path.join(self.root, 'empty')

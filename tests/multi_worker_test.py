@@ -1,6 +1,7 @@
 """MultiWorkerMirroredStrategy with two worker processes on 127.0.0.1 (tools/run_local_workers.py): both end
 with identical weights; after one worker is killed mid-run, running the same command again continues from the
-last checkpoint."""
+last checkpoint; after SIGTERM to one worker, every worker saves the same step and the same command ends with
+the weights of an uninterrupted run."""
 
 import json
 import os
@@ -80,91 +81,80 @@ class MultiWorkerTest(tf.test.TestCase):
             self.assertAllEqual(first[name], second[name], msg=name)
         self.assertTrue(any(np.any(value != 0) for name, value in first.items() if 'kernel' in name))
 
-    def test_two_workers_train_together_and_end_with_identical_weights(self):
-        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
-        for index in range(2):
-            self.assertIn(f'[worker {index}] 10-layer ResNet, 2 replicas', self.reference.stdout)
-        self.assert_workers_agree(self.reference_dir, self.STEPS)
-
-    def test_a_killed_worker_then_the_same_command_continues_from_the_last_checkpoint(self):
-        model_dir = os.path.join(self.root, 'killed')
-        log_path = os.path.join(self.root, 'killed.log')
+    def signal_worker_1(self, model_dir, log_path, signum, after_step) -> int:
+        """Starts the two workers, sends ``signum`` to worker 1 once the chief has a checkpoint at ``after_step`` or
+        later, and returns the launcher's exit status (the output goes to ``log_path``)."""
         with open(log_path, 'w') as log:
             process = subprocess.Popen(launcher(self.data_dir, model_dir, self.STEPS), env=environment(), stdout=log,
                                        stderr=subprocess.STDOUT, text=True)
             deadline = time.time() + TIMEOUT
-            while latest_step(os.path.join(model_dir, 'checkpoints')) < 8:
-                self.assertIsNone(process.poll(), 'the workers ended before the kill')
+            while latest_step(os.path.join(model_dir, 'checkpoints')) < after_step:
+                self.assertIsNone(process.poll(), 'the workers ended before the signal')
                 self.assertLess(time.time(), deadline)
                 time.sleep(0.1)
             with open(log_path) as f:
                 text = f.read()
             found = re.search(r'worker 1 pid (\d+)', text)
             self.assertIsNotNone(found, text[-3000:])
-            pid = int(found.group(1))
-            os.kill(pid, signal.SIGKILL)
-            self.assertEqual(process.wait(TIMEOUT), 128 + signal.SIGKILL)
-        with open(log_path) as f:
+            os.kill(int(found.group(1)), signum)
+            return process.wait(TIMEOUT)
+
+    def test_two_workers_train_together_and_end_with_identical_weights(self):
+        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        for index in range(2):
+            self.assertIn(f'[worker {index}] 10-layer ResNet, 2 replicas', self.reference.stdout)
+        self.assert_workers_agree(self.reference_dir, self.STEPS)
+
+    def test_a_killed_then_a_preempted_worker_and_the_same_command_each_time(self):
+        model_dir = os.path.join(self.root, 'interrupted')
+        # 1. kill -9 of worker 1: the launcher stops worker 0; the same command resumes both from the chief's
+        # last checkpoint.
+        killed_log = os.path.join(self.root, 'killed.log')
+        self.assertEqual(self.signal_worker_1(model_dir, killed_log, signal.SIGKILL, 4), 128 + signal.SIGKILL)
+        with open(killed_log) as f:
             text = f.read()
         self.assertIn('worker 1 exited with status -9; stopping the others', text)
         reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch [\d.]+ step (\d+)/', text))
+        # 2. The same command; SIGTERM to worker 1: every worker saves the same step and exits with 143, and so
+        # does the launcher ("run again").
+        preempted_log = os.path.join(self.root, 'preempted.log')
+        self.assertEqual(self.signal_worker_1(model_dir, preempted_log, signal.SIGTERM, 12), 143)
+        with open(preempted_log) as f:
+            text = f.read()
+        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', text)]
+        self.assertLen(resumed, 2, errors(text))       # both workers, from the chief's checkpoint
+        self.assertEqual(resumed[0], resumed[1])
+        self.assertBetween(reached - resumed[0], 0, 4 + 1)
+        first_resume = resumed[0]
+        saved = [int(step) for step in re.findall(r'\[worker \d\] preemption: every worker saved step (\d+)', text)]
+        self.assertLen(saved, 2, errors(text))
+        self.assertEqual(saved[0], saved[1])
+        self.assertBetween(saved[0], 12, self.STEPS - 1)
+        self.assertNotIn('Traceback', text)
+        self.assert_workers_agree(model_dir, saved[0])
+        # 3. The same command: both resume at the saved step and finish.
         process = subprocess.run(launcher(self.data_dir, model_dir, self.STEPS), env=environment(),
                                  capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(process.returncode, 0, errors(process.stdout))
         resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
-        self.assertLen(resumed, 2)                  # both workers, from the chief's checkpoint
-        self.assertEqual(resumed[0], resumed[1])
-        print(f'worker 1 killed with worker 0 at step {reached}; both resumed at step {resumed[0]}')
-        self.assertBetween(reached - resumed[0], 0, 4 + 1)
-        self.assert_workers_agree(model_dir, self.STEPS)
-
-
-    def test_sigterm_to_one_worker_saves_the_same_step_on_every_worker_and_the_same_command_continues(self):
-        steps, reference_dir = self.STEPS, self.reference_dir
-        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
-        model_dir = os.path.join(self.root, 'preempted')
-        log_path = os.path.join(self.root, 'preempted.log')
-        with open(log_path, 'w') as log:
-            process = subprocess.Popen(launcher(self.data_dir, model_dir, steps), env=environment(), stdout=log,
-                                       stderr=subprocess.STDOUT, text=True)
-            deadline = time.time() + TIMEOUT
-            while latest_step(os.path.join(model_dir, 'checkpoints')) < 8:
-                self.assertIsNone(process.poll(), 'the workers ended before the signal')
-                self.assertLess(time.time(), deadline)
-                time.sleep(0.1)
-            with open(log_path) as f:
-                pid = int(re.search(r'worker 1 pid (\d+)', f.read()).group(1))
-            os.kill(pid, signal.SIGTERM)
-            self.assertEqual(process.wait(TIMEOUT), 143)     # "run again", from the launcher as from each worker
-        with open(log_path) as f:
-            text = f.read()
-        saved = [int(step) for step in re.findall(r'\[worker \d\] preemption: every worker saved step (\d+)', text)]
-        self.assertLen(saved, 2, errors(text))
-        self.assertEqual(saved[0], saved[1])
-        self.assertLess(saved[0], steps)
-        self.assertNotIn('Traceback', text)
-        self.assert_workers_agree(model_dir, saved[0])
-        process = subprocess.run(launcher(self.data_dir, model_dir, steps), env=environment(), capture_output=True,
-                                 text=True, timeout=TIMEOUT)
-        self.assertEqual(process.returncode, 0, errors(process.stdout))
-        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
         self.assertEqual(resumed, [saved[0], saved[0]])
-        self.assert_workers_agree(model_dir, steps)
+        self.assert_workers_agree(model_dir, self.STEPS)
+        print(f'worker 1 killed with worker 0 at step {reached}; both resumed at step {first_resume}; preempted, '
+              f'every worker saved step {saved[0]}')
         # Against the uninterrupted run: weights and optimizer slots exactly; batch-norm moving statistics,
         # which each replica keeps and a checkpoint stores as their mean, to float32 rounding of the tensor's scale.
-        preempted = helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
-        reference = helpers.checkpoint_variables(os.path.join(reference_dir, 'checkpoints'))
+        interrupted = helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
+        reference = helpers.checkpoint_variables(os.path.join(self.reference_dir, 'checkpoints'))
         compared = 0
         for name, value in reference.items():
-            if name.startswith(('save_counter', 'checkpointed_runs')) or name not in preempted:
+            if name.startswith(('save_counter', 'checkpointed_runs')) or name not in interrupted:
                 continue
-            difference = np.max(np.abs(preempted[name].astype(np.float64) - value))
+            difference = np.max(np.abs(interrupted[name].astype(np.float64) - value))
             if '/moving_' in name:
                 self.assertLess(difference / max(np.max(np.abs(value)), 1e-3), 1e-5, name)
             else:
                 self.assertEqual(difference, 0.0, name)
             compared += 1
-        print(f'preempted at step {saved[0]} of {steps}; {compared} variables compared with the uninterrupted run')
         self.assertGreater(compared, 50)
 
 
