@@ -52,7 +52,7 @@ class TrainAndEvaluateTest(tf.test.TestCase):
     @pytest.mark.slow
     def test_resume_continues_at_the_saved_step(self):
         lines = []
-        strategy = helpers.mirrored(8)
+        strategy = helpers.mirrored(2)
         # 2 of an epoch's 3 steps, as if the run had stopped mid-epoch.
         first = train.train_and_evaluate(dataclasses.replace(self.config, train_epochs=2 / 3), strategy,
                                          print_fn=lines.append)
@@ -80,12 +80,12 @@ class TrainAndEvaluateTest(tf.test.TestCase):
 
     @pytest.mark.slow
     def test_in_run_evaluation_uses_the_statistics_the_export_holds(self):
-        # 8 replicas of 2 images with per-replica batch norm: each replica's moving statistics differ, and a
+        # 4 replicas of 4 images with per-replica batch norm: each replica's moving statistics differ, and a
         # checkpoint or export holds their mean. Reference: the exported SavedModel, loaded without this package,
         # on the same held-out images, its loss and top-1 computed with NumPy.
         config = dataclasses.replace(self.config, export_saved_model=True, train_epochs=1, label_smoothing=0.1,
                                      model_dir=os.path.join(self.get_temp_dir(), 'exported'))
-        results = train.train_and_evaluate(config, helpers.mirrored(8), print_fn=lambda line: None)
+        results = train.train_and_evaluate(config, helpers.mirrored(4), print_fn=lambda line: None)
         served = tf.saved_model.load(os.path.join(config.model_dir, 'saved_model')).signatures['serving_preprocessed']
         losses, correct = [], []
         for images, labels, weights in input_pipeline.eval_dataset(config):
