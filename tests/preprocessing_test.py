@@ -79,13 +79,13 @@ def source_windows(shape, count):
     resnet_preprocessing.py (distorted_bounding_box_crop, called with the constant box [0, 0, 1, 1],
     min_object_covered 0.1, aspect (3/4, 4/3), area (0.08, 1), 10 attempts), and MLPerf v0.7's imagenet_input.py
     (lines 105-112): TensorFlow's stateful sample_distorted_bounding_box."""
-    tf.random.set_seed(11)
+    tf.random.set_seed(11)     # with the op's seed too, the sequence does not depend on earlier random ops
     found = []
     for _ in range(count):
         begin, size, _ = tf.image.sample_distorted_bounding_box(
             tf.constant(shape), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), min_object_covered=0.1,
             aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
-            use_image_if_no_bounding_boxes=True)
+            use_image_if_no_bounding_boxes=True, seed=7)
         found.append([begin[0], begin[1], size[0], size[1]])
     return np.array(found, np.float64)
 
@@ -105,8 +105,11 @@ class SourceSamplerTest(tf.test.TestCase):
             for index, name in ((0, 'area'), (1, 'aspect')):
                 grid = np.linspace(0, 1.5, 301)
                 cdfs = [np.searchsorted(np.sort(summary[index]), grid, side='right') / SAMPLES for summary in summaries]
-                # Two samples of 2,000 from one distribution: the largest CDF gap exceeds 0.05 with p < 0.01.
-                self.assertLess(np.max(np.abs(cdfs[0] - cdfs[1])), 0.05, f'{shape} {name}')
+                # Two samples of 2,000 from one distribution: the largest CDF gap (Kolmogorov-Smirnov) exceeds
+                # 1.95 * sqrt(2 / 2000) = 0.062 with probability 0.001.
+                gap = np.max(np.abs(cdfs[0] - cdfs[1]))
+                print(f'{shape} {name}: largest CDF gap {gap:.4f}')
+                self.assertLess(gap, 0.062, f'{shape} {name}')
             self.assertLess(abs(summaries[0][2] - summaries[1][2]), 0.02, f'{shape} whole-image rate')
 
 
