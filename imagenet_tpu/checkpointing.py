@@ -173,6 +173,29 @@ def check_model_settings(config: Config, model_dir: str) -> None:
             json.dump(current, f, indent=2)
 
 
+# How TensorFlow reports checkpoint files it cannot read (its reader reports a short data file as IndexError).
+READ_ERRORS = (tf.errors.OpError, IndexError, OSError)
+
+
+def checkpoint_paths(directory: str) -> List[str]:
+    """The checkpoints of ``directory``'s index, oldest first, each with ``directory`` in front."""
+    state = tf.train.get_checkpoint_state(directory)
+    paths = list(state.all_model_checkpoint_paths) if state else []
+    if state and state.model_checkpoint_path and state.model_checkpoint_path not in paths:
+        paths.append(state.model_checkpoint_path)
+    return paths
+
+
+def restore(manager: tf.train.CheckpointManager, path: str) -> None:
+    """Restores ``path`` into the manager's checkpoint; CheckpointError naming the first mismatch when its
+    variables do not fit the model. Files that cannot be read raise one of READ_ERRORS."""
+    try:
+        manager.checkpoint.restore(path).assert_existing_objects_matched()
+    except (AssertionError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        raise CheckpointError(f'{path} does not fit this model: {first_line}') from None
+
+
 def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
                    directory: Optional[str] = None) -> Optional[str]:
     """Restores the newest readable checkpoint of ``directory`` (default: the manager's); returns its path.
@@ -182,23 +205,16 @@ def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
     do not fit the model is a CheckpointError naming the first mismatch, not a fresh start.
     """
     directory = directory or manager.directory
-    state = tf.train.get_checkpoint_state(directory)
-    paths = list(state.all_model_checkpoint_paths) if state else []
-    if state and state.model_checkpoint_path and state.model_checkpoint_path not in paths:
-        paths.append(state.model_checkpoint_path)
-    for path in reversed(paths):   # get_checkpoint_state has already put ``directory`` in front of each
+    paths = checkpoint_paths(directory)
+    for path in reversed(paths):
         try:
-            manager.checkpoint.restore(path).assert_existing_objects_matched()
+            restore(manager, path)
             return path
-        except (AssertionError, ValueError) as error:
-            first_line = str(error).strip().splitlines()[0]
-            raise CheckpointError(f'{path} does not fit this model: {first_line}') from None
-        except (tf.errors.OpError, IndexError, OSError) as error:
-            # TensorFlow's checkpoint reader reports a short data file as IndexError.
+        except READ_ERRORS as error:
             print_fn(f'warning: cannot read {path} ({type(error).__name__}); trying the checkpoint before it')
     if paths:
         raise CheckpointError(f'none of the {len(paths)} checkpoints in {directory} can be read; move them away to '
-                          'start afresh')
+                              'start afresh')
     return None
 
 

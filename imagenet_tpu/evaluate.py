@@ -57,8 +57,7 @@ def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
 def select_checkpoints(model_dir: str, which: str) -> List[str]:
     """Paths of the checkpoints ``which`` names ('latest', 'all' or 'ckpt-N') in MODEL_DIR/checkpoints."""
     directory = os.path.join(model_dir, 'checkpoints')
-    state = tf.train.get_checkpoint_state(directory)
-    paths = list(state.all_model_checkpoint_paths) if state else []
+    paths = checkpointing.checkpoint_paths(directory)
     if not paths:
         raise CheckpointError(f'no checkpoint in {directory}')
     if which == 'latest':
@@ -92,11 +91,8 @@ class Evaluator:
 
     def restore(self, path: str) -> None:
         try:
-            self.manager.checkpoint.restore(path).assert_existing_objects_matched()
-        except (AssertionError, ValueError) as error:
-            first_line = str(error).strip().splitlines()[0]
-            raise CheckpointError(f'{path} does not fit this model: {first_line}') from None
-        except (tf.errors.OpError, IndexError, OSError) as error:
+            checkpointing.restore(self.manager, path)
+        except checkpointing.READ_ERRORS as error:
             raise CheckpointError(f'cannot read {path} ({type(error).__name__})') from None
 
     def _logits_step(self):
