@@ -80,10 +80,12 @@ class Config:
     resize_method: str = data('bilinear', 'Filter that resizes crops to image_size, in training and evaluation.',
                               choices=('bilinear', 'bicubic'))
     random_flip: bool = data(True, 'Random left-right flips in training.')
-    shuffle_buffer: int = data(10000, 'Records in the shuffle buffer of each input pipeline.', unit='records',
+    shuffle_buffer: int = data(10000, 'Records shuffled together: each input pipeline reads its files one after '
+                               'another and shuffles each window of this many records in full (the cached sets: a '
+                               'shuffle buffer of this size). Memory: about 3 windows of records.', unit='records',
                                minimum=1)
-    interleave_cycle_length: int = data(16, 'Training files read at once by each input pipeline.', minimum=1)
-    interleave_block_length: int = data(1, 'Consecutive records taken from one file before the next.', minimum=1)
+    interleave_cycle_length: int = data(16, 'Training files read at once (in parallel, ahead of the one in use) by '
+                                        'each input pipeline.', minimum=1)
     read_buffer_mb: float = data(8.0, 'Read buffer of each open TFRecord file.', unit='MiB')
     input_threads: int = data(0, "Threads of each input pipeline's private pool (0: TensorFlow's shared pool).",
                               minimum=0)

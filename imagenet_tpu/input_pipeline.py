@@ -7,12 +7,13 @@ files and batching at the per-replica batch size. Without a strategy, pass no co
 """
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from imagenet_tpu import preprocessing, record_io, tfrecord
+from imagenet_tpu import preprocessing, record_counts, record_io, tfrecord
 from imagenet_tpu.config import Config
+from imagenet_tpu.errors import DataError
 from imagenet_tpu.record_io import SkipCounts
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -56,21 +57,52 @@ def resume_position(config: Config, start_step: int, context: Optional[tf.distri
     return divmod(consumed, max(1, records_per_epoch))
 
 
+def file_position(file_records: Sequence[int], position: int) -> Tuple[int, int]:
+    """(file, records of it to skip) of record ``position`` of files read one after another, which hold
+    ``file_records`` records."""
+    for number, records in enumerate(file_records):
+        if position < records:
+            return number, position
+        position -= records
+    raise ValueError(f'record {position} is past the end of the files')
+
+
+def file_order(base_seed: tf.Tensor, epoch, num_files: int) -> tf.Tensor:
+    """The order in which a pipeline reads its files in ``epoch``: a permutation seeded by (seed, pipeline,
+    epoch)."""
+    return tf.random.experimental.stateless_shuffle(tf.range(num_files), _fold(base_seed, epoch))
+
+
+EPOCH_KEYS = 2 ** 40   # a record's key: epoch * EPOCH_KEYS + its index in the epoch
+
+
+def _fold(seed: tf.Tensor, *values) -> tf.Tensor:
+    for value in values:
+        seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
+    return seed
+
+
 def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                   dtype: Optional[tf.DType] = None, start_step: int = 0,
-                  skip_counts: Optional[SkipCounts] = None) -> tf.data.Dataset:
+                  skip_counts: Optional[SkipCounts] = None, log: Callable[[str], None] = print) -> tf.data.Dataset:
     """Endless training batches: images [per_replica_batch, size, size, 3] ``dtype`` (default
     image_dtype(config)), labels int32.
 
-    The stream is a sequence of data epochs. Epoch e of pipeline p reads p's files in an order shuffled with
-    seed (seed, p, e), shuffles records with the same seed, and crops and flips record i with seed
-    (seed, p, e, i), so with deterministic each pipeline's stream is a function of the seed and its
-    pipeline id, and no two hosts draw the same crops and flips (on a pod, a host's draws repeated on every host
-    would put one pattern into every global batch once per host). ``start_step`` > 0 resumes it:
-    the records the first start_step steps consumed are skipped before decoding (whole earlier epochs are not
-    read at all, the current one is read but not decoded). With bad_records='skip', undecodable records are
-    skipped and counted into ``skip_counts``; a resumed stream does not know the bad records of the skipped
-    part, so it starts that many records early (those images are seen again).
+    The stream is a sequence of data epochs. In epoch e, pipeline p reads its files one after another, in an
+    order shuffled with seed (seed, p, e), while the next interleave_cycle_length files are read ahead in
+    parallel. Window w of that record stream (shuffle_buffer records) is shuffled in full with seed
+    (seed, p, e, w), and the i-th record of the epoch is cropped and flipped with seed (seed, p, key) with key
+    e * EPOCH_KEYS + i. With
+    deterministic each pipeline's stream is therefore a function of the seed and its pipeline id, and no two
+    hosts draw the same crops and flips (on a pod, a host's draws repeated on every host would put one pattern
+    into every global batch once per host).
+
+    ``start_step`` > 0 resumes it. The files' record counts (record_counts.py) say in which file the window of
+    its place starts, and where: earlier files are not opened, that file is read from its start but its records
+    before the window are dropped, and the records of the window before the place are not decoded. With
+    bad_records='skip', undecodable records are skipped and counted into ``skip_counts``; a resumed stream does
+    not know the bad records of the skipped part, so it starts that many records early (those images are seen
+    again).
     """
     dtype = dtype or image_dtype(config)
     paths = _shard_files(record_io.list_shards(config.data_dir, tfrecord.TRAIN), context)
@@ -78,35 +110,25 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     bad, truncated = (skip_counts or SkipCounts()).new_counters()
     pipeline_id = context.input_pipeline_id if context else 0
     base_seed = tf.constant([config.seed or 0, pipeline_id], tf.int64)
-    first_epoch, skip = 0, 0
+    first_epoch, skip, first_file, file_skip = 0, 0, 0, 0
     if start_step:
-        records_per_epoch = record_io.count_records(paths, sizes, config)
-        first_epoch, skip = resume_position(config, start_step, context, records_per_epoch)
-    cached = None
-    if config.input_cache == 'records':
-        cached = record_io.read_records(paths, sizes, config, truncated=truncated, deterministic=True).cache()
-    elif config.input_cache == 'images':
-        read = SkipCounts.position_counter()
-        records = record_io.read_records(paths, sizes, config, truncated=truncated, deterministic=True)
-        decoded = record_io.enumerate_records(records, read).map(
-            lambda index, record: (index, *_decode_full(record)), num_parallel_calls=AUTOTUNE, deterministic=True)
-        cached = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None, read).cache()
+        counts = record_counts.lookup(paths, sizes, config.data_dir, config.model_dir, log)
+        first_epoch, skip = resume_position(config, start_step, context, sum(counts))
+        if config.input_cache == 'none':
+            with tf.init_scope():
+                order = file_order(base_seed, first_epoch, len(paths)).numpy()
+            first_file, file_skip = file_position([counts[i] for i in order], skip - skip % config.shuffle_buffer)
+            _check_count(paths[order[first_file]], counts[order[first_file]])
 
-    def epoch_records(epoch):
-        seed = tf.random.experimental.stateless_fold_in(base_seed, epoch)
-        if cached is not None:
-            records = cached
-        else:
-            records = record_io.read_records(paths, sizes, config, order_seed=seed, truncated=truncated)
-        records = records.shuffle(config.shuffle_buffer, seed=seed[0] + 7919 * seed[1])
-        records = records.enumerate().map(lambda index, record: (epoch, index, record))
-        return records.skip(tf.where(epoch == first_epoch, tf.constant(skip, tf.int64), 0))
+    if config.input_cache == 'none':
+        stream = _windowed_stream(config, paths, sizes, base_seed, first_epoch, skip, first_file, file_skip,
+                                  truncated)
+    else:
+        stream = _cached_stream(config, paths, sizes, base_seed, first_epoch, skip, bad, truncated)
 
-    stream = tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_records)
-
-    def parse(position, epoch, index, record):
-        seed = tf.random.experimental.stateless_fold_in(tf.random.experimental.stateless_fold_in(
-            base_seed, epoch), index)
+    def parse(position, element):
+        key, record = element
+        seed = _fold(base_seed, key)
         if config.input_cache == 'images':
             image, label = record
             image = preprocessing.preprocess_decoded_for_train(
@@ -121,12 +143,78 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
             label = example['label']
         return position, image, tfrecord.to_model_label(label, config.label_offset, config.num_classes)
 
-    stream = stream.enumerate().map(lambda position, element: (position, *element))
-    decoded = stream.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+    decoded = stream.enumerate().map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
     examples = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None)
     batches = examples.batch(_per_replica_batch(config.global_batch_size, context), drop_remainder=True)
     return _finish(batches, config).with_options(
         dataset_options(config.deterministic, config.input_threads))
+
+
+def _windowed_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tensor, first_epoch: int,
+                     skip: int, first_file: int, file_skip: int, truncated: tf.Variable) -> tf.data.Dataset:
+    """(key, record) of the files read one after another, each window of shuffle_buffer
+    records shuffled in full; from record ``skip`` of ``first_epoch`` on, whose window starts at record
+    ``file_skip`` of the epoch's file number ``first_file``. The next window is read and shuffled while this
+    one is used (so about three windows of records are in memory)."""
+    window = config.shuffle_buffer
+    paths_tensor, sizes_tensor = tf.constant(paths), tf.constant(sizes, tf.int64)
+    first_window = skip // window
+
+    def epoch_windows(epoch):
+        resumed = epoch == first_epoch
+        files = file_order(base_seed, epoch, len(paths))[tf.where(resumed, first_file, 0):]
+        skips = tf.concat([[tf.where(resumed, tf.constant(file_skip, tf.int64), 0)],
+                           tf.zeros(tf.size(files) - 1, tf.int64)], axis=0)
+        records = record_io.read_records(tf.gather(paths_tensor, files), tf.gather(sizes_tensor, files), config,
+                                         truncated=truncated, skips=skips, whole_files=True,
+                                         cycle_length=min(config.interleave_cycle_length, len(paths)))
+        windows = records.window(window).enumerate(tf.where(resumed, tf.constant(first_window, tf.int64), 0))
+        return windows.map(lambda number, records: (epoch, number, records))
+
+    # Dataset.window holds a window's records without copying them (batch and gather would copy every
+    # record's bytes twice); prefetch reads the next window while this one is used. A shuffle buffer as large as
+    # the window draws a uniformly random permutation of it.
+    windows = tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_windows).prefetch(1)
+
+    def window_records(epoch, number, records):
+        seed = _fold(base_seed, epoch, -1 - number)
+        records = records.shuffle(window, seed=seed[0] + 7919 * seed[1])
+        start = tf.where(tf.logical_and(epoch == first_epoch, number == first_window),
+                         tf.constant(skip % window, tf.int64), 0)
+        return records.enumerate(epoch * EPOCH_KEYS + number * window).skip(start)
+
+    return windows.flat_map(window_records)
+
+
+def _check_count(path: str, count: int) -> None:
+    """The file a resumed stream starts in is counted again (its length fields only): a counts file whose size
+    matches but whose count does not is an error, not a silently wrong place in the data."""
+    actual = record_counts.count_file(path)
+    if actual != count:
+        raise DataError(f'{record_counts.FILE_NAME} gives {path} {count} records but it holds {actual}: '
+                        f'delete the wrong {record_counts.FILE_NAME} (beside the shards or in --model_dir)')
+
+
+def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tensor, first_epoch: int, skip: int,
+                   bad: tf.Variable, truncated: tf.Variable) -> tf.data.Dataset:
+    """(key, record) of the in-memory training set: read once in file order, cached, then
+    shuffled anew in every epoch with a shuffle buffer."""
+    records = record_io.read_records(paths, sizes, config, truncated=truncated, deterministic=True)
+    if config.input_cache == 'records':
+        cached = records.cache()
+    else:
+        read = SkipCounts.position_counter()
+        decoded = record_io.enumerate_records(records, read).map(
+            lambda index, record: (index, *_decode_full(record)), num_parallel_calls=AUTOTUNE, deterministic=True)
+        cached = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None, read).cache()
+
+    def epoch_records(epoch):
+        seed = _fold(base_seed, epoch, -1)
+        records = cached.shuffle(config.shuffle_buffer, seed=seed[0] + 7919 * seed[1]).enumerate()
+        records = records.skip(tf.where(epoch == first_epoch, tf.constant(skip, tf.int64), 0))
+        return records.map(lambda index, record: (epoch * EPOCH_KEYS + index, record))
+
+    return tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_records)
 
 
 def _decode_full(record: tf.Tensor):

@@ -5,6 +5,7 @@ import os
 from typing import Optional, Tuple
 
 import tensorflow as tf
+from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 
 from imagenet_tpu import tfrecord
 from imagenet_tpu.config import Config
@@ -34,13 +35,13 @@ def list_shards(data_dir: Optional[str], split: str) -> list:
 
 def file_sizes(paths: list) -> list:
     """Byte size of each file, checking that each can be opened: a missing or unreadable file is a DataError
-    at start, not a failure hours into a run."""
+    at start, not a failure hours into a run. Nothing is read (a resumed run reads only where it resumes)."""
     sizes = []
     for path in paths:
         try:
-            with tf.io.gfile.GFile(path, 'rb') as f:
-                f.read(1)
             sizes.append(tf.io.gfile.stat(path).length)
+            if '://' not in path:
+                os.close(os.open(path, os.O_RDONLY))   # permissions, without reading (stat does not check them)
         except (tf.errors.OpError, OSError) as error:
             raise DataError(f'cannot read {path} ({type(error).__name__})') from None
     return sizes
@@ -124,39 +125,54 @@ def _read_file(path: tf.Tensor, size: tf.Tensor, buffer_bytes: int) -> tf.data.D
     return records.concatenate(end).scan(tf.constant(0, tf.int64), account)
 
 
-def read_records(paths: list, sizes: list, config: Config, order_seed: Optional[tf.Tensor] = None,
-                 truncated: Optional[tf.Variable] = None, deterministic: Optional[bool] = None) -> tf.data.Dataset:
-    """Serialized records of ``paths`` read by a parallel interleave, files in an order shuffled by
-    ``order_seed`` (none: in the given order). With bad_records='skip', a truncated file ends early and adds
-    one to ``truncated``; with 'fatal' its DataLossError stops the run."""
+READ_AHEAD_RECORDS = 64   # records each file being read ahead may buffer (whole_files=True): ~7 MB of ImageNet
+
+
+def _file_records(path: tf.Tensor, size: tf.Tensor, skip: tf.Tensor, config: Config,
+                  truncated: Optional[tf.Variable]) -> tf.data.Dataset:
+    """The whole records of one file from its ``skip``-th on (the ones before are read, not returned)."""
     buffer_bytes = int(config.read_buffer_mb * 2 ** 20)
-    cycle_length = min(config.interleave_cycle_length, len(paths))
-    deterministic = config.deterministic if deterministic is None else deterministic
-    order = tf.range(len(paths))
-    if order_seed is not None:
-        order = tf.random.experimental.stateless_shuffle(order, order_seed)
-    files = tf.data.Dataset.from_tensor_slices((tf.gather(paths, order), tf.gather(tf.constant(sizes, tf.int64),
-                                                                                   order)))
     if config.bad_records == 'fatal':
-        return files.interleave(lambda path, _: tf.data.TFRecordDataset(path, buffer_size=buffer_bytes),
-                                cycle_length=cycle_length, block_length=config.interleave_block_length,
-                                num_parallel_calls=AUTOTUNE, deterministic=deterministic)
-    stream = files.interleave(lambda path, size: _read_file(path, size, buffer_bytes), cycle_length=cycle_length,
-                              block_length=config.interleave_block_length, num_parallel_calls=AUTOTUNE,
-                              deterministic=deterministic)
+        return tf.data.TFRecordDataset(path, buffer_size=buffer_bytes).skip(skip)
 
     def keep_records(record, kind):
+        if truncated is None:
+            return kind == _RECORD
         with tf.control_dependencies([truncated.assign_add(tf.cast(kind == _FILE_TRUNCATED, tf.int64))]):
             return kind == _RECORD
 
-    return stream.filter(keep_records).map(lambda record, kind: record)
+    records = _read_file(path, size, buffer_bytes).filter(keep_records)
+    return records.map(lambda record, kind: record).skip(skip)
 
 
-def count_records(paths: list, sizes: list, config: Config) -> int:
-    """Records in ``paths`` (whole records only, as the training pipeline reads them)."""
-    counter = tf.Variable(0, dtype=tf.int64, trainable=False)
-    records = read_records(paths, sizes, config, truncated=counter, deterministic=False)
-    return int(records.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
+def read_records(paths, sizes, config: Config, truncated: Optional[tf.Variable] = None,
+                 deterministic: Optional[bool] = None, cycle_length: Optional[int] = None, skips=None,
+                 whole_files: bool = False) -> tf.data.Dataset:
+    """Serialized records of ``paths`` (a list or a string tensor; ``sizes`` their byte sizes), cycle_length
+    files (default: config's interleave_cycle_length, at most len(paths)) read at once by a parallel interleave.
+
+    Records alternate between the open files, or with ``whole_files`` come file after file, in order, while
+    the next files are read ahead in parallel (READ_AHEAD_RECORDS each). ``skips`` (one per file) leaves out
+    that many records at the start of each file. With bad_records='skip', a truncated file ends early and adds
+    one to ``truncated``; with 'fatal' its DataLossError stops the run."""
+    cycle_length = cycle_length or min(config.interleave_cycle_length, len(paths))
+    deterministic = config.deterministic if deterministic is None else deterministic
+    sizes = tf.cast(sizes, tf.int64)
+    skips = tf.zeros_like(sizes) if skips is None else tf.cast(skips, tf.int64)
+    files = tf.data.Dataset.from_tensor_slices((paths, sizes, skips))
+
+    def read(path, size, skip):
+        return _file_records(path, size, skip, config, truncated)
+
+    if not whole_files:
+        return files.interleave(read, cycle_length=cycle_length, num_parallel_calls=AUTOTUNE,
+                                deterministic=deterministic)
+    # Dataset.interleave with a long block_length gives the same order, but buffers far more than a few
+    # records of each file it reads ahead; this older form lets that be set.
+    with deprecation.silence():
+        return files.apply(tf.data.experimental.parallel_interleave(
+            read, cycle_length=cycle_length, block_length=2 ** 62, sloppy=not deterministic,
+            buffer_output_elements=READ_AHEAD_RECORDS, prefetch_input_elements=0))
 
 
 def enumerate_records(records: tf.data.Dataset, read: Optional[tf.Variable]) -> tf.data.Dataset:

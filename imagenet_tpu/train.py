@@ -236,7 +236,8 @@ def build_datasets(config: Config, strategy: tf.distribute.Strategy, start_step:
     """(train, eval) distributed datasets; eval is None for synthetic data."""
     if config.synthetic_data:
         return build_train_dataset(config, strategy), None
-    check_data(config)
+    if not start_step:     # checked at the run's start; a resumed run reads only where it resumes
+        check_data(config)
     return (build_train_dataset(config, strategy, start_step, skip_counts),
             build_eval_dataset(config, strategy, skip_counts))
 

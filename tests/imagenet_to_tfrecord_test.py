@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import labels as labels_lib, tfrecord
+from imagenet_tpu import labels as labels_lib, record_counts, tfrecord
 
 helpers.use_eight_cpus()
 
@@ -138,6 +138,13 @@ class ConverterTest(tf.test.TestCase):
         self.assertIn('4 of 5 shards already complete', process.stdout)
         self.assertEqual(os.stat(kept).st_mtime_ns, before)
         self.assertLen(read_split(out, 'train'), 9)
+        # The record counts beside the shards: every shard, with the records TensorFlow's reader finds.
+        counts = record_counts.read(record_counts.path_in(out))
+        shards = sorted(os.path.basename(path) for path in tf.io.gfile.glob(os.path.join(out, '*-of-*')))
+        self.assertEqual(sorted(counts), shards)
+        for name, (records, size) in counts.items():
+            path = os.path.join(out, name)
+            self.assertEqual((records, size), (sum(1 for _ in tf.data.TFRecordDataset(path)), os.path.getsize(path)))
 
     def test_bad_tree_is_a_one_line_error(self):
         process = subprocess.run([sys.executable, TOOL, f'--raw_dir={self.get_temp_dir()}/none',

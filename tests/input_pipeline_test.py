@@ -110,12 +110,13 @@ class InputPipelineTest(tf.test.TestCase):
         self.assertAllEqual(labels, disk_labels[source] - 3)
 
     def test_a_resumed_stream_continues_exactly_where_the_steps_left_it(self):
-        # 48 images per epoch, 2 replicas of 4: 6 steps per epoch. Resuming after step k must give the batches
-        # an uninterrupted stream gives from batch 2k on: mid-epoch, at an epoch end, and epochs later.
-        config = _config(self.data_dir, deterministic=True)
+        # 48 images per epoch in 4 files, read 2 files per round; 2 replicas of 4: 6 steps per epoch. Resuming
+        # after step k must give the batches an uninterrupted stream gives from batch 2k on: in the first round,
+        # mid-epoch in the second round, at an epoch end, and epochs later.
+        config = _config(self.data_dir, deterministic=True, interleave_cycle_length=2)
         context = tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=2)
         stream = [images.numpy() for images, _ in input_pipeline.train_dataset(config, context).take(44)]
-        for step in (4, 6, 17):
+        for step in (1, 4, 6, 17):
             resumed = [images.numpy() for images, _ in
                        input_pipeline.train_dataset(config, context, start_step=step).take(4)]
             for index, batch in enumerate(resumed):

@@ -10,7 +10,7 @@ import sklearn.datasets
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import labels, tfrecord
+from imagenet_tpu import labels, record_counts, tfrecord
 
 
 class MakeDemoDataTest(tf.test.TestCase):
@@ -29,6 +29,8 @@ class MakeDemoDataTest(tf.test.TestCase):
         names, ids = labels.class_names(10, 1, data_dir=output)
         self.assertEqual(names, ['zero', 'one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine'])
         self.assertEqual(ids, [f'digit{d}' for d in range(10)])
+        counts = record_counts.read(record_counts.path_in(output))
+        self.assertEqual(sum(records for records, _ in counts.values()), len(digits))
 
 
 if __name__ == '__main__':

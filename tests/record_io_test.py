@@ -35,12 +35,14 @@ class BadRecordsTest(tf.test.TestCase):
         counts = record_io.SkipCounts()
         dataset = input_pipeline.train_dataset(_config(self.data_dir), skip_counts=counts)
         # One data epoch is the 16 good images: 4 batches of 4.
-        labels = np.concatenate([labels.numpy() for _, labels in dataset.take(4)])
-        self.assertCountEqual(labels + 1, self.good_labels)
+        batches = [labels.numpy() for _, labels in dataset.take(5)]
+        self.assertCountEqual(np.concatenate(batches[:4]) + 1, self.good_labels)
         totals = counts.totals()
-        # The pipeline reads ahead of what was taken, into the next epoch: at least this epoch's faults.
+        # A bad record is counted when the next good one is decoded: with a batch of the next epoch taken, all
+        # of this epoch's faults are counted, and perhaps some of the next epoch's. Files are read up to two
+        # shuffle windows ahead of decoding (here 32 records each, in epochs of 19 records).
         self.assertBetween(totals['bad_records'], 3, 6)
-        self.assertBetween(totals['truncated_files'], 1, 2)
+        self.assertBetween(totals['truncated_files'], 1, 3)
 
     def test_evaluation_counts_exactly(self):
         counts = record_io.SkipCounts()

@@ -8,8 +8,9 @@ Input (--raw_dir):
                                         imagenet_2012_validation_synset_labels.txt), or lines "<file name> <wnid>";
                                         or validation/<wnid>/*.JPEG like train/, with no label file
     --bbox_dir (optional)               ILSVRC bounding-box XML files (<image stem>.xml, any folder depth)
-Output (--output_dir): train-00000-of-01024 ... and validation-00000-of-00128 ..., and labels.txt (on-disk
-label, wnid, name: --synset_words gives ILSVRC's names, else the wnid is the name).
+Output (--output_dir): train-00000-of-01024 ... and validation-00000-of-00128 ..., labels.txt (on-disk
+label, wnid, name: --synset_words gives ILSVRC's names, else the wnid is the name) and record_counts.txt (each
+shard's records and bytes, which lets a resumed training run find its place without reading the data).
 
 Labels are 1..1000 on disk: the wnids sorted, the first is 1. The known odd files (one PNG and 22 CMYK JPEGs in
 the training set) are re-encoded as RGB JPEG; an image that cannot be read at all is skipped and listed at the
@@ -213,7 +214,7 @@ def write_labels(output_dir: str, wnids: List[str], synset_words: Optional[str] 
 def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] = None,
             bbox_dir: Optional[str] = None, train_shards: int = 1024, validation_shards: int = 128,
             num_workers: int = 1, seed: int = 0, synset_words: Optional[str] = None, print_fn=print) -> dict:
-    """Writes all missing shards and labels.txt; returns counts: records, reencoded, skipped (list of (path,
+    """Writes all missing shards, labels.txt and record_counts.txt (record_counts.py); returns counts: records, reencoded, skipped (list of (path,
     reason)), shards_written, shards_skipped."""
     boxes = index_boxes(bbox_dir)
     train_items, wnids = find_train(raw_dir, boxes)
@@ -228,7 +229,7 @@ def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] =
              f'{len(tasks) - len(todo)} of {len(tasks)} shards already complete')
     stats = dict(records=0, reencoded=[], skipped=[], shards_written=0, shards_skipped=len(tasks) - len(todo))
     total_images = sum(len(task.items) for task in todo)
-    started, images_done = time.perf_counter(), 0
+    started, images_done, written = time.perf_counter(), 0, {}
     context = multiprocessing.get_context('spawn')  # TensorFlow does not survive fork
     with context.Pool(max(1, num_workers)) as pool:
         for path, count, reencoded, skipped in pool.imap_unordered(write_task, todo):
@@ -236,6 +237,7 @@ def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] =
             stats['reencoded'] += reencoded
             stats['skipped'] += skipped
             stats['shards_written'] += 1
+            written[path] = count
             images_done += count + len(skipped)
             rate = images_done / (time.perf_counter() - started)
             eta = (total_images - images_done) / max(rate, 1e-9)
@@ -249,6 +251,8 @@ def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] =
             for path, reason in stats['skipped']:
                 print_fn(f'skipped unreadable image: {path} ({reason})')
                 log.write(f'{path}\t{reason}\n')
+    from imagenet_tpu import record_counts
+    record_counts.write_beside(output_dir, written)
     print_fn(f'done: {stats["records"]:,} records in {stats["shards_written"]} new shards, '
              f'{len(stats["reencoded"])} re-encoded, {len(stats["skipped"])} skipped')
     return stats

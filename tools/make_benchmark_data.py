@@ -106,6 +106,8 @@ def main(argv):
     if _NUM_VALIDATION_IMAGES.value:
         write(_OUTPUT_DIR.value, _NUM_VALIDATION_IMAGES.value, 1, _NUM_CLASSES.value, _SEED.value + 1,
               split='validation')
+    from imagenet_tpu import record_counts
+    record_counts.write_beside(_OUTPUT_DIR.value)
 
 
 if __name__ == '__main__':

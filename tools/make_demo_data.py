@@ -56,7 +56,8 @@ def main(argv):
     os.makedirs(_OUTPUT_DIR.value, exist_ok=True)
     write_split(_OUTPUT_DIR.value, 'train', images[train], digits[train], _TRAIN_SHARDS.value)
     write_split(_OUTPUT_DIR.value, 'validation', images[validation], digits[validation], _VALIDATION_SHARDS.value)
-    from imagenet_tpu import labels
+    from imagenet_tpu import labels, record_counts
+    record_counts.write_beside(_OUTPUT_DIR.value)
     labels.write(labels.path_in(_OUTPUT_DIR.value),
                  [labels.Label(digit + 1, f'digit{digit}', name) for digit, name in enumerate(DIGIT_NAMES)])
     print(f'wrote {len(train)} training and {len(validation)} validation digits ({_IMAGE_SIZE.value}x'

@@ -1,0 +1,126 @@
+"""Start-up of a resumed training stream on a split of many shards: how it finds its place in the data.
+
+    python tools/benchmark_resume.py --data_dir data/resume_benchmark --num_shards 1024 --rounds 3
+
+Writes the split on first use (--num_shards shards of --records_per_shard small JPEG records; nothing else),
+then times, alternating for --rounds rounds, three ways of getting the per-shard record counts a resumed stream
+needs (input_pipeline.train_dataset with start_step > 0):
+  reading  every record of every shard read through TFRecordDataset (a parallel interleave), which is what a
+           resume cost before the counts existed;
+  walk     record_counts.count_file on every shard: the length fields only, as for shards written by other
+           tools (the result is then cached in model_dir);
+  file     record_counts.txt beside the shards (what the converter and the data tools write).
+and then the time to the first batch of the stream resumed at --resume_step, with the counts file present.
+Each figure is a median over rounds, with the bytes the process read for it (/proc/self/io rchar, Linux).
+The last line is one JSON object with every figure.
+"""
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from absl import app, flags  # noqa: E402
+
+from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package's oneDNN setting)
+
+tf = runtime.import_tensorflow()
+import numpy as np  # noqa: E402
+
+from imagenet_tpu import input_pipeline, record_counts, record_io, tfrecord  # noqa: E402
+from imagenet_tpu.config import Config  # noqa: E402
+
+_DATA_DIR = flags.DEFINE_string('data_dir', 'data/resume_benchmark', 'Where the split is (written if missing).')
+_NUM_SHARDS = flags.DEFINE_integer('num_shards', 1024, 'Training shards.')
+_RECORDS = flags.DEFINE_integer('records_per_shard', 64, 'Records per shard.')
+_RESUME_STEP = flags.DEFINE_integer('resume_step', 1000, 'The step the stream resumes at (batch 64).')
+_ROUNDS = flags.DEFINE_integer('rounds', 3, 'Alternating rounds; figures are medians.')
+
+
+def bytes_read() -> int:
+    with open('/proc/self/io') as f:
+        return int(dict(line.split(': ') for line in f.read().splitlines())['rchar'])
+
+
+def write_split(data_dir: str, num_shards: int, records: int) -> None:
+    if len(tf.io.gfile.glob(tfrecord.file_pattern(data_dir, tfrecord.TRAIN))) == num_shards:
+        return
+    shutil.rmtree(data_dir, ignore_errors=True)
+    os.makedirs(data_dir)
+    rng = np.random.default_rng(0)
+    jpegs = [tf.io.encode_jpeg(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).numpy() for _ in range(64)]
+    started = time.perf_counter()
+    for shard in range(num_shards):
+        examples = (tfrecord.make_example(jpegs[(shard + i) % len(jpegs)], i % 10 + 1, 32, 32)
+                    for i in range(records))
+        tfrecord.write_shard(os.path.join(data_dir, tfrecord.shard_name(tfrecord.TRAIN, shard, num_shards)),
+                             examples)
+        if (shard + 1) % 128 == 0:
+            print(f'wrote {shard + 1}/{num_shards} shards ({time.perf_counter() - started:.0f} s)', flush=True)
+
+
+def count_by_reading(paths: list) -> int:
+    files = tf.data.Dataset.from_tensor_slices(paths)
+    records = files.interleave(tf.data.TFRecordDataset, cycle_length=16, num_parallel_calls=tf.data.AUTOTUNE)
+    return int(records.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
+
+
+def main(argv):
+    del argv
+    print(runtime.describe(runtime.report()))
+    data_dir = _DATA_DIR.value
+    write_split(data_dir, _NUM_SHARDS.value, _RECORDS.value)
+    paths = record_io.list_shards(data_dir, tfrecord.TRAIN)
+    sizes = record_io.file_sizes(paths)
+    counts_file = record_counts.path_in(data_dir)
+    total = _NUM_SHARDS.value * _RECORDS.value
+    config = Config(data_dir=data_dir, num_classes=10, label_offset=1, image_size=32, global_batch_size=64,
+                    num_train_images=total, shuffle_buffer=1024, seed=0, deterministic=True)
+
+    def reading():
+        assert count_by_reading(paths) == total
+
+    def walk():
+        if tf.io.gfile.exists(counts_file):
+            tf.io.gfile.remove(counts_file)
+        assert sum(record_counts.lookup(paths, sizes, data_dir, None, print)) == total
+
+    def from_file():
+        assert sum(record_counts.lookup(paths, sizes, data_dir, None, print)) == total
+
+    def first_batch():
+        next(iter(input_pipeline.train_dataset(config, start_step=_RESUME_STEP.value, log=print)))
+
+    candidates = {'reading': reading, 'walk': walk, 'file': from_file, 'first_batch': first_batch}
+    timings = {name: [] for name in candidates}
+    reads = {name: [] for name in candidates}
+    for round_number in range(_ROUNDS.value):
+        for name, run in candidates.items():
+            if name in ('file', 'first_batch') and not tf.io.gfile.exists(counts_file):
+                record_counts.write_beside(data_dir)
+            before, started = bytes_read(), time.perf_counter()
+            run()
+            timings[name].append(time.perf_counter() - started)
+            reads[name].append(bytes_read() - before)
+            print(f'round {round_number + 1}: {name:11s} {timings[name][-1]:8.3f} s, '
+                  f'{reads[name][-1] / 2 ** 20:9.2f} MiB read', flush=True)
+    data_bytes = sum(sizes)
+    result = {'num_shards': len(paths), 'records': total, 'data_mib': round(data_bytes / 2 ** 20, 1),
+              'resume_step': _RESUME_STEP.value}
+    for name in candidates:
+        result[f'{name}_seconds'] = round(statistics.median(timings[name]), 4)
+        result[f'{name}_mib_read'] = round(statistics.median(reads[name]) / 2 ** 20, 3)
+    print(f'data: {len(paths)} shards, {total:,} records, {data_bytes / 2 ** 20:.1f} MiB; resume start-up = '
+          'counts + first batch: ' + ', '.join(
+              f'{name} {result[name + "_seconds"] + result["first_batch_seconds"]:.2f} s'
+              for name in ('reading', 'walk', 'file')))
+    print(json.dumps(result))
+
+
+if __name__ == '__main__':
+    app.run(main)
