@@ -22,12 +22,17 @@ demo: $(STAMP)
 	$(BIN)/imagenet-tpu-train --flagfile=flags/demo.cfg
 	$(BIN)/python tools/plot_metrics.py --model_dir runs/demo
 
+# Two pytest processes (pytest-xdist), each test file in one of them: most of a test's time is tracing, which
+# runs on one core. TEST_JOBS=1 runs the suite in one process.
+TEST_JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 # The fast tier: every module, without the tests marked slow (real training processes, 8-replica traces).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow' tests
+	$(PYTEST) -m 'not slow' tests
 
 # tf-models-official, our peer in benchmarks, in an environment of its own (it pins other versions: BUILD.md).
 PEER := .venv-peer

@@ -1,4 +1,4 @@
-"""Checkpoints of a run: where they go (the chief's and the other workers'), saving at intervals and on SIGTERM,
+"""Checkpoints of a run: where they go (the chief's; the other workers' are deleted once written), saving at intervals and on SIGTERM,
 resuming from the newest readable one, the check that model_dir holds the same model, and the model.fit calls
 a resumed run makes (fit_segments)."""
 
@@ -30,19 +30,36 @@ def is_chief(strategy: tf.distribute.Strategy) -> bool:
 
 def checkpoint_directory(model_dir: str, strategy: tf.distribute.Strategy) -> str:
     """model_dir/checkpoints for the chief. Saving is a collective step every worker of a multi-worker run
-    takes, so the others write theirs to model_dir/workers/worker-ID (every worker restores the chief's)."""
+    takes, so the others write theirs to model_dir/.worker-ID, which is deleted as soon as each is written
+    (WorkerScratchCheckpoints): the run's checkpoints are written once, by the chief, and every worker restores
+    the chief's."""
     if is_chief(strategy):
         return os.path.join(model_dir, 'checkpoints')
-    return os.path.join(model_dir, 'workers', f'worker-{strategy.cluster_resolver.task_id}', 'checkpoints')
+    return os.path.join(model_dir, f'.worker-{strategy.cluster_resolver.task_id}')
+
+
+class WorkerScratchCheckpoints(tf.train.CheckpointManager):
+    """The checkpoint manager of a non-chief worker: it takes part in every save (which is collective), and
+    deletes its copy once written, as TensorFlow's PreemptionCheckpointHandler does with the copies it makes.
+    Only the chief's copy is kept and read."""
+
+    def save(self, *args, **kwargs):
+        path = super().save(*args, **kwargs)
+        tf.io.gfile.rmtree(self.directory)
+        return path
 
 
 def checkpoint_manager(classifier: keras.Model, model_dir: str,
                        strategy: Optional[tf.distribute.Strategy] = None) -> tf.train.CheckpointManager:
     """Checkpoints of network and optimizer in checkpoint_directory(model_dir), named ckpt-STEP; the last 3
-    are kept."""
+    are kept (the non-chief workers keep none: WorkerScratchCheckpoints)."""
     checkpoint = tf.train.Checkpoint(network=classifier.network, optimizer=classifier.optimizer)
-    directory = checkpoint_directory(model_dir, strategy or tf.distribute.get_strategy())
-    return tf.train.CheckpointManager(checkpoint, directory, max_to_keep=3, checkpoint_name='ckpt')
+    strategy = strategy or tf.distribute.get_strategy()
+    if is_chief(strategy):
+        return tf.train.CheckpointManager(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=3,
+                                          checkpoint_name='ckpt')
+    return WorkerScratchCheckpoints(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=None,
+                                    checkpoint_name='ckpt')
 
 
 def save_checkpoint(manager: tf.train.CheckpointManager, step: int) -> None:
@@ -118,8 +135,8 @@ class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
 
     TensorFlow's own tf.distribute.experimental.PreemptionCheckpointHandler does the agreement: the worker that
     receives the signal publishes a step through the cluster's coordination service, and every worker saves its
-    checkpoint at that step (the chief to model_dir/checkpoints, the others to their own folders, as for
-    periodic checkpoints). Create it before restoring, so that the run's own restore has the last word.
+    checkpoint at that step (the chief to model_dir/checkpoints; the others' copies are deleted once written, as
+    for periodic checkpoints). Create it before restoring, so that the run's own restore has the last word.
     """
 
     def __init__(self, manager: tf.train.CheckpointManager, strategy: tf.distribute.Strategy, print_fn=print):

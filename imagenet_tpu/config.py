@@ -186,6 +186,9 @@ class Config:
                                         "(TF_CONFIG), 'tpu' or 'default' (no distribution).",
                                  choices=('cpu', 'mirrored', 'multi_worker', 'tpu', 'default'))
     num_cpu_devices: int = distribution(8, 'Logical CPU devices (replicas) for --strategy=cpu.', minimum=1)
+    cpu_devices_per_worker: int = distribution(
+        1, "Logical CPU devices (replicas) of each worker of --strategy=multi_worker on machines without GPUs: "
+        "several workers on one machine then stand for a pod of several accelerators per host.", minimum=1)
     tpu: str = distribution('', "TPU name, or 'local' on a TPU VM.")
 
     # Run.

@@ -32,6 +32,12 @@ def path_in(folder: str) -> str:
 
 def count_file(path: str) -> int:
     """Whole records in one TFRecord file, from its length fields (the data is skipped, not read)."""
+    return scan_file(path)[0]
+
+
+def scan_file(path: str) -> Tuple[int, bool]:
+    """(whole records, whether the file ends where its last whole record does) of one TFRecord file, from its
+    length fields. A file cut mid-record gives False."""
     import tensorflow as tf    # here, so that the converter's main process runs without TensorFlow
     size = tf.io.gfile.stat(path).length
     count, offset = 0, 0
@@ -47,7 +53,7 @@ def count_file(path: str) -> int:
                 break           # cut mid-record: the records before the cut are whole
             offset += FRAME_BYTES + length
             count += 1
-    return count
+    return count, offset == size
 
 
 def read(path: str) -> Optional[Dict[str, Tuple[int, int]]]:

@@ -107,12 +107,38 @@ def replica_mesh_shape(strategy: tf.distribute.Strategy, mesh_shape=None, cores_
     return shape
 
 
-def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '') -> tf.distribute.Strategy:
+def multi_worker_strategy(cpu_devices_per_worker: int = 1) -> tf.distribute.MultiWorkerMirroredStrategy:
+    """MultiWorkerMirroredStrategy from TF_CONFIG. On workers without GPUs it has one replica per worker (the
+    CPU); with ``cpu_devices_per_worker`` > 1, that many logical CPU devices of each worker are its replicas,
+    so that workers on one machine stand for a pod of several accelerators per host (its cross-host collectives,
+    input pipelines and checkpoints as on a pod). TensorFlow 2.20 has no setting for it: its device list is
+    replaced while the strategy is made."""
+    if cpu_devices_per_worker == 1 or tf.config.list_physical_devices('GPU'):
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    use_logical_cpus(cpu_devices_per_worker)
+    # pylint: disable-next=import-outside-toplevel
+    from tensorflow.python.distribute import collective_all_reduce_strategy as collective
+    extended = collective.CollectiveAllReduceExtended
+    original = extended._initialize_local_devices  # pylint: disable=protected-access
+
+    def logical_cpus(self, cluster_resolver, worker_device):
+        del self, cluster_resolver
+        return tuple(f'{worker_device}/device:CPU:{i}' for i in range(cpu_devices_per_worker)), 'CPU'
+
+    extended._initialize_local_devices = logical_cpus  # pylint: disable=protected-access
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    finally:
+        extended._initialize_local_devices = original  # pylint: disable=protected-access
+
+
+def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
+                  cpu_devices_per_worker: int = 1) -> tf.distribute.Strategy:
     """The strategy named by ``kind``.
 
     'cpu': MirroredStrategy over ``num_cpu_devices`` logical CPU devices (development and tests);
-    'mirrored': MirroredStrategy over the local GPUs; 'multi_worker': MultiWorkerMirroredStrategy from TF_CONFIG;
-    'tpu': TPUStrategy for ``tpu`` (a name or 'local'); 'default': no distribution.
+    'mirrored': MirroredStrategy over the local GPUs; 'multi_worker': MultiWorkerMirroredStrategy from TF_CONFIG
+    (multi_worker_strategy); 'tpu': TPUStrategy for ``tpu`` (a name or 'local'); 'default': no distribution.
     """
     if kind == 'cpu':
         return cpu_strategy(num_cpu_devices)
@@ -121,7 +147,7 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '') -> tf.d
             raise ConfigError("strategy 'mirrored' needs GPUs and none is visible; use --strategy=cpu")
         return mirrored_strategy()
     if kind == 'multi_worker':
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        return multi_worker_strategy(cpu_devices_per_worker)
     if kind == 'tpu':
         if not tpu:
             raise ConfigError("strategy 'tpu' needs --tpu=NAME (or 'local' on a TPU VM)")

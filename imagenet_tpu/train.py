@@ -35,7 +35,8 @@ def prepare_process(config: Config) -> None:
 
 def build_strategy(config: Config) -> tf.distribute.Strategy:
     """The configured strategy (strategy.make_strategy)."""
-    return strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices, tpu=config.tpu)
+    return strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices, tpu=config.tpu,
+                                      cpu_devices_per_worker=config.cpu_devices_per_worker)
 
 
 def build_network(config: Config, num_replicas: int = 1) -> keras.Model:
