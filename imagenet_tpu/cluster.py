@@ -1,4 +1,5 @@
-"""TF_CONFIG for MultiWorkerMirroredStrategy: the cluster of workers and which one this process is.
+"""TF_CONFIG for MultiWorkerMirroredStrategy: the cluster of workers and which one this process is; and the
+process handling of the tools that start local clusters (run_local_workers.py, run_data_service.py).
 
     TF_CONFIG='{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
 
@@ -7,8 +8,12 @@ the same command with its own TF_CONFIG; tools/run_local_workers.py does that on
 """
 
 import json
+import signal
 import socket
-from typing import List, Sequence
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
 
 
 def free_ports(count: int, host: str = '127.0.0.1') -> List[int]:
@@ -35,3 +40,32 @@ def tf_config(workers: Sequence[str], index: int) -> str:
 def local_workers(count: int, host: str = '127.0.0.1') -> List[str]:
     """Addresses of ``count`` workers on this machine, each on a free port."""
     return [f'{host}:{port}' for port in free_ports(count, host)]
+
+
+def forward_output(stream, prefix: str, log_path: Optional[str] = None) -> None:
+    """Copies a child's output lines to ours with ``prefix`` (and, without it, to ``log_path``) until it ends."""
+    log = open(log_path, 'w') if log_path else None   # pylint: disable=consider-using-with
+    try:
+        for line in iter(stream.readline, ''):
+            sys.stdout.write(f'{prefix} {line}')
+            sys.stdout.flush()
+            if log:
+                log.write(line)
+                log.flush()
+    finally:
+        if log:
+            log.close()
+
+
+def stop_processes(processes, grace_seconds: float = 10.0) -> None:
+    """SIGTERM to every running process, then SIGKILL to those still running after ``grace_seconds``."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_seconds
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -92,6 +92,13 @@ class Config:
     input_cache: str = data('none', 'Keep the training set in memory: encoded records, or decoded images (small '
                                     'sets only: about 500 KB per ImageNet image).',
                             choices=('none', 'records', 'images'))
+    data_service: str = data('', 'tf.data service dispatcher (grpc://HOST:PORT) whose workers read, decode and batch '
+                                 'the training images (tools/run_data_service.py); empty: this process does. '
+                                 'Evaluation stays local.')
+    data_service_mode: str = data('distributed_epoch', 'How the service shares the work: distributed_epoch (files '
+                                  'handed out to workers: every image once per epoch, no exact resume) or '
+                                  'parallel_epochs (every worker runs the whole stream: exact with one worker).',
+                                  choices=('distributed_epoch', 'parallel_epochs'))
     bad_records: str = data('skip', 'A record whose JPEG does not decode, that lacks a feature or has a label '
                                     'out of range, or a TFRecord file cut mid-record: skip and count it, or stop.',
                             choices=('skip', 'fatal'))
@@ -217,6 +224,12 @@ class Config:
                 raise ConfigError(f'{field.name} must be at least {minimum}, got {value}')
         if not 0 < self.eval_crop_fraction <= 1:
             raise ConfigError(f'eval_crop_fraction must be in (0, 1], got {self.eval_crop_fraction}')
+        if self.data_service:
+            from imagenet_tpu import data_service   # pylint: disable=import-outside-toplevel  (no cycle at import)
+            data_service.parse_address(self.data_service)
+            if self.input_cache != 'none':
+                raise ConfigError('--input_cache keeps the set in this process; with --data_service the workers '
+                                  'read it (use --input_cache=none)')
         if self.crop_boxes and self.input_cache == 'images':
             raise ConfigError("crop_boxes needs the records' boxes, which input_cache='images' does not keep")
         if not 0 < self.random_crop_min_area <= 1:

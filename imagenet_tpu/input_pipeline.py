@@ -37,11 +37,11 @@ def dataset_options(deterministic: bool, threads: int = 0) -> tf.data.Options:
     return options
 
 
-def _per_replica_batch(global_batch: int, context: Optional[tf.distribute.InputContext]) -> int:
+def per_replica_batch(global_batch: int, context: Optional[tf.distribute.InputContext]) -> int:
     return context.get_per_replica_batch_size(global_batch) if context else global_batch
 
 
-def _shard_files(paths: list, context: Optional[tf.distribute.InputContext]) -> list:
+def pipeline_files(paths: list, context: Optional[tf.distribute.InputContext]) -> list:
     """The files of this input pipeline: every num_input_pipelines-th, starting at its id."""
     if context and context.num_input_pipelines > 1:
         return paths[context.input_pipeline_id::context.num_input_pipelines]
@@ -70,13 +70,13 @@ def file_position(file_records: Sequence[int], position: int) -> Tuple[int, int]
 def file_order(base_seed: tf.Tensor, epoch, num_files: int) -> tf.Tensor:
     """The order in which a pipeline reads its files in ``epoch``: a permutation seeded by (seed, pipeline,
     epoch)."""
-    return tf.random.experimental.stateless_shuffle(tf.range(num_files), _fold(base_seed, epoch))
+    return tf.random.experimental.stateless_shuffle(tf.range(num_files), fold_seed(base_seed, epoch))
 
 
 EPOCH_KEYS = 2 ** 40   # a record's key: epoch * EPOCH_KEYS + its index in the epoch
 
 
-def _fold(seed: tf.Tensor, *values) -> tf.Tensor:
+def fold_seed(seed: tf.Tensor, *values) -> tf.Tensor:
     for value in values:
         seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(value, tf.int64))
     return seed
@@ -84,9 +84,12 @@ def _fold(seed: tf.Tensor, *values) -> tf.Tensor:
 
 def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                   dtype: Optional[tf.DType] = None, start_step: int = 0,
-                  skip_counts: Optional[SkipCounts] = None, log: Callable[[str], None] = print) -> tf.data.Dataset:
+                  skip_counts: Optional[SkipCounts] = None, log: Callable[[str], None] = print,
+                  served: bool = False) -> tf.data.Dataset:
     """Endless training batches: images [per_replica_batch, size, size, 3] ``dtype`` (default
-    image_dtype(config)), labels int32.
+    image_dtype(config)), labels int32. ``served``: the dataset a tf.data service's workers run
+    (data_service.py): bad records are skipped without counting (the count would stay on the workers) and the
+    batches are not prefetched (the trainer does that).
 
     The stream is a sequence of data epochs. In epoch e, pipeline p reads its files one after another, in an
     order shuffled with seed (seed, p, e), while the next interleave_cycle_length files are read ahead in
@@ -105,11 +108,10 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     again).
     """
     dtype = dtype or image_dtype(config)
-    paths = _shard_files(record_io.list_shards(config.data_dir, tfrecord.TRAIN), context)
+    paths = pipeline_files(record_io.list_shards(config.data_dir, tfrecord.TRAIN), context)
     sizes = record_io.file_sizes(paths)
-    bad, truncated = (skip_counts or SkipCounts()).new_counters()
-    pipeline_id = context.input_pipeline_id if context else 0
-    base_seed = tf.constant([config.seed or 0, pipeline_id], tf.int64)
+    bad, truncated = (None, None) if served else (skip_counts or SkipCounts()).new_counters()
+    base_seed = pipeline_seed(config, context)
     first_epoch, skip, first_file, file_skip = 0, 0, 0, 0
     if start_step:
         counts = record_counts.lookup(paths, sizes, config.data_dir, config.model_dir, log)
@@ -126,9 +128,33 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     else:
         stream = _cached_stream(config, paths, sizes, base_seed, first_epoch, skip, bad, truncated)
 
+    parse_record = record_parser(config, dtype, base_seed)
+
     def parse(position, element):
-        key, record = element
-        seed = _fold(base_seed, key)
+        return (position, *parse_record(*element))
+
+    decoded = stream.enumerate().map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+    if served:
+        examples = skip_bad_records(decoded, config)
+    else:
+        examples = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None)
+    batches = examples.batch(per_replica_batch(config.global_batch_size, context), drop_remainder=True)
+    batches = space_to_depth(batches, config)
+    return (batches if served else batches.prefetch(AUTOTUNE)).with_options(
+        dataset_options(config.deterministic, config.input_threads))
+
+
+def pipeline_seed(config: Config, context: Optional[tf.distribute.InputContext]) -> tf.Tensor:
+    """The seed every random choice of this input pipeline derives from: (seed, pipeline id)."""
+    return tf.constant([config.seed or 0, context.input_pipeline_id if context else 0], tf.int64)
+
+
+def record_parser(config: Config, dtype: tf.DType, base_seed: tf.Tensor) -> Callable:
+    """parse(key, record) -> (image, label) of a training record: the random crop and flip are seeded by
+    (base_seed, key), so they depend on the record's key alone, not on when or where it is decoded."""
+
+    def parse(key, record):
+        seed = fold_seed(base_seed, key)
         if config.input_cache == 'images':
             image, label = record
             image = preprocessing.preprocess_decoded_for_train(
@@ -141,13 +167,17 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
                 min_area=config.random_crop_min_area, flip=config.random_flip, dtype=dtype, seed=seed,
                 resize_method=config.resize_method)
             label = example['label']
-        return position, image, tfrecord.to_model_label(label, config.label_offset, config.num_classes)
+        return image, tfrecord.to_model_label(label, config.label_offset, config.num_classes)
 
-    decoded = stream.enumerate().map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
-    examples = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None)
-    batches = examples.batch(_per_replica_batch(config.global_batch_size, context), drop_remainder=True)
-    return _finish(batches, config).with_options(
-        dataset_options(config.deterministic, config.input_threads))
+    return parse
+
+
+def skip_bad_records(decoded: tf.data.Dataset, config: Config) -> tf.data.Dataset:
+    """(index, ...) elements without the index; with bad_records='skip' those whose decoding failed are dropped
+    without being counted (the tf.data service's workers cannot report counts)."""
+    if config.bad_records == 'skip':
+        decoded = decoded.ignore_errors()
+    return decoded.map(lambda index, *rest: rest)
 
 
 def _windowed_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tensor, first_epoch: int,
@@ -177,7 +207,7 @@ def _windowed_stream(config: Config, paths: list, sizes: list, base_seed: tf.Ten
     windows = tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_windows).prefetch(1)
 
     def window_records(epoch, number, records):
-        seed = _fold(base_seed, epoch, -1 - number)
+        seed = fold_seed(base_seed, epoch, -1 - number)
         records = records.shuffle(window, seed=seed[0] + 7919 * seed[1])
         start = tf.where(tf.logical_and(epoch == first_epoch, number == first_window),
                          tf.constant(skip % window, tf.int64), 0)
@@ -209,7 +239,7 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
         cached = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None, read).cache()
 
     def epoch_records(epoch):
-        seed = _fold(base_seed, epoch, -1)
+        seed = fold_seed(base_seed, epoch, -1)
         records = cached.shuffle(config.shuffle_buffer, seed=seed[0] + 7919 * seed[1]).enumerate()
         records = records.skip(tf.where(epoch == first_epoch, tf.constant(skip, tf.int64), 0))
         return records.map(lambda index, record: (epoch * EPOCH_KEYS + index, record))
@@ -228,12 +258,12 @@ def image_dtype(config: Config) -> tf.DType:
     return tf.bfloat16 if config.precision == 'mixed_bfloat16' else tf.float32
 
 
-def _finish(batches: tf.data.Dataset, config: Config) -> tf.data.Dataset:
-    """Space-to-depth on whole batches when the model's stem expects it (cheaper than per image), then prefetch."""
+def space_to_depth(batches: tf.data.Dataset, config: Config) -> tf.data.Dataset:
+    """Space-to-depth on whole batches when the model's stem expects it (cheaper than per image)."""
     if config.space_to_depth:
         batches = batches.map(lambda images, *rest: (tf.nn.space_to_depth(images, 2), *rest),
                               num_parallel_calls=AUTOTUNE)
-    return batches.prefetch(AUTOTUNE)
+    return batches
 
 
 def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
@@ -281,16 +311,16 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
         (tf.zeros([config.image_size, config.image_size, 3], dtype), tf.constant(0), tf.constant(0.0))).repeat()
     replicas_per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines if context else 1
     batches = examples.concatenate(padding)
-    batches = batches.batch(_per_replica_batch(config.eval_batch_size, context), drop_remainder=True)
+    batches = batches.batch(per_replica_batch(config.eval_batch_size, context), drop_remainder=True)
     batches = batches.take(config.eval_steps_for(num_pipelines) * replicas_per_pipeline)
-    return _finish(batches, config).with_options(dataset_options(deterministic=True))
+    return space_to_depth(batches, config).prefetch(AUTOTUNE).with_options(dataset_options(deterministic=True))
 
 
 def synthetic_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                       dtype: Optional[tf.DType] = None) -> tf.data.Dataset:
     """One fixed random batch repeated forever: measures the model without any input cost."""
     dtype = dtype or image_dtype(config)
-    batch = _per_replica_batch(config.global_batch_size, context)
+    batch = per_replica_batch(config.global_batch_size, context)
     images = tf.random.stateless_normal([batch, config.image_size, config.image_size, 3], seed=[0, 1], dtype=dtype)
     if config.space_to_depth:
         images = tf.nn.space_to_depth(images, 2)

@@ -128,8 +128,8 @@ def _read_file(path: tf.Tensor, size: tf.Tensor, buffer_bytes: int) -> tf.data.D
 READ_AHEAD_RECORDS = 64   # records each file being read ahead may buffer (whole_files=True): ~7 MB of ImageNet
 
 
-def _file_records(path: tf.Tensor, size: tf.Tensor, skip: tf.Tensor, config: Config,
-                  truncated: Optional[tf.Variable]) -> tf.data.Dataset:
+def file_records(path: tf.Tensor, size: tf.Tensor, skip, config: Config,
+                 truncated: Optional[tf.Variable] = None) -> tf.data.Dataset:
     """The whole records of one file from its ``skip``-th on (the ones before are read, not returned)."""
     buffer_bytes = int(config.read_buffer_mb * 2 ** 20)
     if config.bad_records == 'fatal':
@@ -162,7 +162,7 @@ def read_records(paths, sizes, config: Config, truncated: Optional[tf.Variable] 
     files = tf.data.Dataset.from_tensor_slices((paths, sizes, skips))
 
     def read(path, size, skip):
-        return _file_records(path, size, skip, config, truncated)
+        return file_records(path, size, skip, config, truncated)
 
     if not whole_files:
         return files.interleave(read, cycle_length=cycle_length, num_parallel_calls=AUTOTUNE,

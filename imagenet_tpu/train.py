@@ -16,7 +16,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu import batch_norm, callbacks as callbacks_lib, checkpointing, classifier as classifier_lib
-from imagenet_tpu import collectives, export, input_pipeline, labels, lars, record_io, regularization, resnet
+from imagenet_tpu import collectives, data_service, export, input_pipeline, labels, lars, record_io, regularization, resnet
 from imagenet_tpu import rmsprop_warmup, schedules
 from imagenet_tpu import strategy as strategy_lib, tfrecord
 from imagenet_tpu.config import Config
@@ -159,8 +159,10 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
                                            decayed=loss_decayed_variables(config, network),
                                            label_smoothing=config.label_smoothing,
                                            gradient_all_reduce=build_gradient_all_reduce(config, strategy))
+    # weighted_metrics=[]: Classifier.test_step weights its own metrics (padding has weight 0); without it Keras
+    # warns at every evaluation that weights came without compiled weighted metrics.
     classifier.compile(optimizer=build_optimizer(config), jit_compile=use_jit(config),
-                       steps_per_execution=steps_per_execution(config, strategy))
+                       steps_per_execution=steps_per_execution(config, strategy), weighted_metrics=[])
     # Create the optimizer's slots now, so a checkpoint restores into existing variables.
     classifier.optimizer.build(classifier.network.trainable_variables)
     return classifier
@@ -207,6 +209,12 @@ def build_train_dataset(config: Config, strategy: tf.distribute.Strategy, start_
     if config.synthetic_data:
         return strategy.distribute_datasets_from_function(
             lambda context: input_pipeline.synthetic_dataset(config, context), _input_options(config))
+    if config.data_service:
+        data_service.check_reachable(config.data_service)
+        print(f'training input from the tf.data service at {config.data_service} ({config.data_service_mode})',
+              flush=True)
+        return strategy.distribute_datasets_from_function(
+            lambda context: data_service.train_dataset(config, context, start_step), _input_options(config))
     return strategy.distribute_datasets_from_function(
         lambda context: input_pipeline.train_dataset(config, context, start_step=start_step,
                                                      skip_counts=skip_counts), _input_options(config))

@@ -73,7 +73,7 @@ class InputPipelineTest(tf.test.TestCase):
 
     def test_training_files_are_split_between_hosts(self):
         paths = record_io.list_shards(self.data_dir, 'train')
-        shares = [input_pipeline._shard_files(paths, tf.distribute.InputContext(2, host, 4))
+        shares = [input_pipeline.pipeline_files(paths, tf.distribute.InputContext(2, host, 4))
                   for host in range(2)]
         self.assertEqual(set(shares[0]) & set(shares[1]), set())
         self.assertEqual(sorted(shares[0] + shares[1]), sorted(paths))

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import config as config_lib, main, train
+from imagenet_tpu import cluster, config as config_lib, main, train
 from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
@@ -151,6 +151,7 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         # A dangling link: listed by the glob, but it cannot be opened (chmod does not stop root).
         os.remove(os.path.join(cls.unreadable_dir, 'train-00001-of-00004'))
         os.symlink(os.path.join(cls.root, 'gone'), os.path.join(cls.unreadable_dir, 'train-00001-of-00004'))
+        cls.free_port = cluster.free_ports(1)[0]
         cls.a_file = os.path.join(cls.root, 'a_file')
         open(cls.a_file, 'w').close()
         cls.flagfile = os.path.join(cls.root, 'bad.cfg')
@@ -184,6 +185,11 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         ('unreadable_file', lambda c: ['--data_dir=' + c.unreadable_dir], 'cannot read .*train-00001-of-00004'),
         ('bn_group_not_dividing_replicas', lambda c: ['--data_dir=' + c.data_dir, '--bn_group_size=3'],
          'batch-norm group of 3 replicas does not divide the 8 replicas'),
+        ('data_service_not_an_address', lambda c: ['--data_dir=' + c.data_dir, '--data_service=localhost:5050'],
+         'data_service must be grpc://HOST:PORT'),
+        ('data_service_unreachable',
+         lambda c: ['--data_dir=' + c.data_dir, f'--data_service=grpc://localhost:{c.free_port}'],
+         r'cannot reach the tf.data service dispatcher at grpc://localhost:\d+ \(Connection refused\)'),
     )
     def test_bad_input(self, make_args, expected):
         self.assert_one_line_error(SMALL + make_args(self), expected)

@@ -11,7 +11,6 @@ same command again resumes every worker from the chief's last checkpoint.
 """
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -20,26 +19,6 @@ import time
 from absl import app, flags
 
 from imagenet_tpu import cluster
-
-
-def _forward(stream, prefix):
-    for line in iter(stream.readline, ''):
-        sys.stdout.write(f'{prefix} {line}')
-        sys.stdout.flush()
-
-
-def stop(processes, grace_seconds: float = 10.0) -> None:
-    """SIGTERM to every running process, then SIGKILL to those still running after ``grace_seconds``."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.time() + grace_seconds
-    for process in processes:
-        try:
-            process.wait(max(0.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 PREEMPTED = 143                  # a worker's status after SIGTERM to any worker: every worker saved, run again
@@ -60,7 +39,8 @@ def run_workers(num_workers: int, args: list, timeout_seconds: float = 0) -> int
         environment = dict(os.environ, TF_CONFIG=cluster.tf_config(workers, index))
         process = subprocess.Popen([sys.executable, '-m', 'imagenet_tpu.main', *args], env=environment,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        thread = threading.Thread(target=_forward, args=(process.stdout, f'[worker {index}]'), daemon=True)
+        thread = threading.Thread(target=cluster.forward_output, args=(process.stdout, f'[worker {index}]'),
+                                  daemon=True)
         thread.start()
         print(f'worker {index} pid {process.pid} at {workers[index]}', flush=True)
         processes.append(process)
@@ -83,7 +63,7 @@ def run_workers(num_workers: int, args: list, timeout_seconds: float = 0) -> int
             print(f'timed out after {timeout_seconds:.0f} s; stopping the workers', flush=True)
             break
         time.sleep(0.2)
-    stop(processes)
+    cluster.stop_processes(processes)
     for thread in threads:
         thread.join(timeout=5)
     if not status:
