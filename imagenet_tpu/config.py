@@ -81,9 +81,10 @@ class Config:
                               choices=('bilinear', 'bicubic'))
     random_flip: bool = data(True, 'Random left-right flips in training.')
     shuffle_buffer: int = data(10000, 'Records shuffled together: each input pipeline reads its files one after '
-                               'another and shuffles each window of this many records in full (the cached sets: a '
-                               'shuffle buffer of this size). Memory: about 3 windows of records.', unit='records',
-                               minimum=1)
+                               'another and shuffles each window of this many records in full, at most an eighth '
+                               'of its epoch (num_train_images / hosts), so that a resume reads little (the '
+                               'cached sets: a shuffle buffer of this size). Memory: about 3 windows of records.',
+                               unit='records', minimum=1)
     interleave_cycle_length: int = data(16, 'Training files read at once (in parallel, ahead of the one in use) by '
                                         'each input pipeline.', minimum=1)
     read_buffer_mb: float = data(8.0, 'Read buffer of each open TFRecord file.', unit='MiB')

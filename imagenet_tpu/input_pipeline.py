@@ -93,7 +93,7 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
 
     The stream is a sequence of data epochs. In epoch e, pipeline p reads its files one after another, in an
     order shuffled with seed (seed, p, e), while the next interleave_cycle_length files are read ahead in
-    parallel. Window w of that record stream (shuffle_buffer records) is shuffled in full with seed
+    parallel. Window w of that record stream (shuffle_window records) is shuffled in full with seed
     (seed, p, e, w), and the i-th record of the epoch is cropped and flipped with seed (seed, p, key) with key
     e * EPOCH_KEYS + i. With
     deterministic each pipeline's stream is therefore a function of the seed and its pipeline id, and no two
@@ -119,12 +119,13 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
         if config.input_cache == 'none':
             with tf.init_scope():
                 order = file_order(base_seed, first_epoch, len(paths)).numpy()
-            first_file, file_skip = file_position([counts[i] for i in order], skip - skip % config.shuffle_buffer)
+            window = shuffle_window(config, context)
+            first_file, file_skip = file_position([counts[i] for i in order], skip - skip % window)
             _check_count(paths[order[first_file]], counts[order[first_file]])
 
     if config.input_cache == 'none':
-        stream = _windowed_stream(config, paths, sizes, base_seed, first_epoch, skip, first_file, file_skip,
-                                  truncated)
+        stream = _windowed_stream(config, shuffle_window(config, context), paths, sizes, base_seed, first_epoch,
+                                  skip, first_file, file_skip, truncated)
     else:
         stream = _cached_stream(config, paths, sizes, base_seed, first_epoch, skip, bad, truncated)
 
@@ -180,13 +181,24 @@ def skip_bad_records(decoded: tf.data.Dataset, config: Config) -> tf.data.Datase
     return decoded.map(lambda index, *rest: rest)
 
 
-def _windowed_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tensor, first_epoch: int,
-                     skip: int, first_file: int, file_skip: int, truncated: tf.Variable) -> tf.data.Dataset:
-    """(key, record) of the files read one after another, each window of shuffle_buffer
-    records shuffled in full; from record ``skip`` of ``first_epoch`` on, whose window starts at record
+WINDOWS_PER_EPOCH = 8     # at least: a resume reads at most about two windows, a quarter of an epoch
+
+
+def shuffle_window(config: Config, context: Optional[tf.distribute.InputContext]) -> int:
+    """Records shuffled together: shuffle_buffer, but at most 1/WINDOWS_PER_EPOCH of this pipeline's epoch
+    (num_train_images / input pipelines), so that a resume never reads most of a small data set. The same
+    in a fresh and a resumed run (it depends on settings only), as exact resume needs."""
+    pipelines = context.num_input_pipelines if context else 1
+    return max(1, min(config.shuffle_buffer, -(-config.num_train_images // (pipelines * WINDOWS_PER_EPOCH))))
+
+
+def _windowed_stream(config: Config, window: int, paths: list, sizes: list, base_seed: tf.Tensor,
+                     first_epoch: int, skip: int, first_file: int, file_skip: int,
+                     truncated: tf.Variable) -> tf.data.Dataset:
+    """(key, record) of the files read one after another, each window of ``window`` records
+    shuffled in full (shuffle_window); from record ``skip`` of ``first_epoch`` on, whose window starts at record
     ``file_skip`` of the epoch's file number ``first_file``. The next window is read and shuffled while this
     one is used (so about three windows of records are in memory)."""
-    window = config.shuffle_buffer
     paths_tensor, sizes_tensor = tf.constant(paths), tf.constant(sizes, tf.int64)
     first_window = skip // window
 
