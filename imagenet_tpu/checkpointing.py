@@ -1,6 +1,6 @@
-"""Checkpoints of a run: where they go (the chief's; the other workers' are deleted once written), saving at intervals and on SIGTERM,
-resuming from the newest readable one, the check that model_dir holds the same model, and the model.fit calls
-a resumed run makes (fit_segments)."""
+"""Checkpoints of a run: where they go (the chief's; the other workers' are deleted once written), saving at
+intervals and on SIGTERM, resuming from the newest readable one, the check that model_dir holds the same model,
+and the model.fit calls a resumed run makes (fit_segments)."""
 
 import dataclasses
 import json

@@ -10,6 +10,7 @@ import dataclasses
 import typing
 from typing import Optional, Tuple
 
+from imagenet_tpu import data_service as data_service_lib
 from imagenet_tpu.errors import ConfigError
 
 __all__ = ['Config', 'ConfigError', 'SECTIONS', 'settings']
@@ -99,7 +100,7 @@ class Config:
     data_service_mode: str = data('distributed_epoch', 'How the service shares the work: distributed_epoch (files '
                                   'handed out to workers: every image once per epoch, no exact resume) or '
                                   'parallel_epochs (every worker runs the whole stream: exact with one worker).',
-                                  choices=('distributed_epoch', 'parallel_epochs'))
+                                  choices=data_service_lib.MODES)
     bad_records: str = data('skip', 'A record whose JPEG does not decode, that lacks a feature or has a label '
                                     'out of range, or a TFRecord file cut mid-record: skip and count it, or stop.',
                             choices=('skip', 'fatal'))
@@ -226,8 +227,7 @@ class Config:
         if not 0 < self.eval_crop_fraction <= 1:
             raise ConfigError(f'eval_crop_fraction must be in (0, 1], got {self.eval_crop_fraction}')
         if self.data_service:
-            from imagenet_tpu import data_service   # pylint: disable=import-outside-toplevel  (no cycle at import)
-            data_service.parse_address(self.data_service)
+            data_service_lib.parse_address(self.data_service)
             if self.input_cache != 'none':
                 raise ConfigError('--input_cache keeps the set in this process; with --data_service the workers '
                                   'read it (use --input_cache=none)')

@@ -100,7 +100,6 @@ def sharded_train_dataset(config, context=None, dtype=None, start_step: int = 0,
     adds each image's key (file number * FILE_KEYS + index in the file) to its batch: which epoch and file it
     came from."""
     import tensorflow as tf
-    from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module,import-outside-toplevel
     from imagenet_tpu import input_pipeline, record_counts, record_io, tfrecord
     dtype = dtype or input_pipeline.image_dtype(config)
     paths = input_pipeline.pipeline_files(record_io.list_shards(config.data_dir, tfrecord.TRAIN), context)
@@ -119,13 +118,12 @@ def sharded_train_dataset(config, context=None, dtype=None, start_step: int = 0,
         return records.enumerate().map(lambda index, record: (number * FILE_KEYS + index, record))
 
     end = (first_epoch + epochs) * count if epochs else 2 ** 62
-    # Dataset.interleave would claim several files beyond those it reads (its input prefetch), and a worker that
-    # dies loses every file it has claimed: this form claims a file only when it starts reading it.
-    with deprecation.silence():
-        records = tf.data.Dataset.range(first_epoch * count, end).apply(tf.data.experimental.parallel_interleave(
-            read, cycle_length=min(config.interleave_cycle_length, count), sloppy=True,
-            buffer_output_elements=record_io.READ_AHEAD_RECORDS, prefetch_input_elements=0))
+    # A worker that dies loses every file it has claimed: it claims one only when it starts reading it.
+    records = record_io.interleave_without_prefetch(tf.data.Dataset.range(first_epoch * count, end), read,
+                                                    min(config.interleave_cycle_length, count), block_length=1,
+                                                    sloppy=True)
     parse = input_pipeline.record_parser(config, dtype, base_seed)
+
     def decode(index, element):
         key = (element[0],) if with_keys else ()
         return (index, *parse(*element), *key)
@@ -133,7 +131,7 @@ def sharded_train_dataset(config, context=None, dtype=None, start_step: int = 0,
     decoded = records.shuffle(config.shuffle_buffer).enumerate().map(decode, num_parallel_calls=tf.data.AUTOTUNE,
                                                                      deterministic=False)
     examples = input_pipeline.skip_bad_records(decoded, config)
-    batch = context.get_per_replica_batch_size(config.global_batch_size) if context else config.global_batch_size
+    batch = input_pipeline.per_replica_batch(config.global_batch_size, context)
     batches = input_pipeline.space_to_depth(examples.batch(batch, drop_remainder=True), config)
     return batches.with_options(input_pipeline.dataset_options(False, config.input_threads))
 

@@ -296,7 +296,7 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     # Local files cut mid-record are found from their length fields before reading: counted while reading, a
     # cut at the very end goes uncounted whenever the real images fill the last batch (nothing reads past
     # them). Remote files (gs://...) are counted while reading.
-    local = all('://' not in path for path in paths)
+    local = all(record_counts.is_local(path) for path in paths)
     if local and config.bad_records == 'skip':
         with tf.init_scope():
             truncated.assign_add(sum(not record_counts.scan_file(path)[1] for path in paths))

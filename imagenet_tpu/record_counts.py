@@ -26,6 +26,11 @@ HEADER = '# imagenet_tpu record counts: file, records, bytes\n'
 FRAME_BYTES = 16       # length (8), length CRC (4), data CRC (4) around each record's data
 
 
+def is_local(path: str) -> bool:
+    """Whether ``path`` is on this machine's file system (not gs://... or another remote scheme)."""
+    return '://' not in path
+
+
 def path_in(folder: str) -> str:
     return os.path.join(folder, FILE_NAME)
 
@@ -41,8 +46,7 @@ def scan_file(path: str) -> Tuple[int, bool]:
     import tensorflow as tf    # here, so that the converter's main process runs without TensorFlow
     size = tf.io.gfile.stat(path).length
     count, offset = 0, 0
-    local = '://' not in path
-    with (open(path, 'rb', buffering=0) if local else tf.io.gfile.GFile(path, 'rb')) as f:
+    with (open(path, 'rb', buffering=0) if is_local(path) else tf.io.gfile.GFile(path, 'rb')) as f:
         while offset + FRAME_BYTES <= size:
             f.seek(offset)
             header = f.read(8)

@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import tensorflow as tf
 from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 
-from imagenet_tpu import tfrecord
+from imagenet_tpu import record_counts, tfrecord
 from imagenet_tpu.config import Config
 from imagenet_tpu.errors import ConfigError, DataError, summarize_graph_error
 
@@ -40,7 +40,7 @@ def file_sizes(paths: list) -> list:
     for path in paths:
         try:
             sizes.append(tf.io.gfile.stat(path).length)
-            if '://' not in path:
+            if record_counts.is_local(path):
                 os.close(os.open(path, os.O_RDONLY))   # permissions, without reading (stat does not check them)
         except (tf.errors.OpError, OSError) as error:
             raise DataError(f'cannot read {path} ({type(error).__name__})') from None
@@ -167,11 +167,18 @@ def read_records(paths, sizes, config: Config, truncated: Optional[tf.Variable] 
     if not whole_files:
         return files.interleave(read, cycle_length=cycle_length, num_parallel_calls=AUTOTUNE,
                                 deterministic=deterministic)
-    # Dataset.interleave with a long block_length gives the same order, but buffers far more than a few
-    # records of each file it reads ahead; this older form lets that be set.
+    return interleave_without_prefetch(files, read, cycle_length, block_length=2 ** 62, sloppy=not deterministic)
+
+
+def interleave_without_prefetch(files: tf.data.Dataset, read, cycle_length: int, block_length: int,
+                                sloppy: bool) -> tf.data.Dataset:
+    """files.interleave(read) over cycle_length files, each read ahead by READ_AHEAD_RECORDS records, and no
+    file opened (or, from a tf.data service, claimed) before a reader is free for it. Dataset.interleave gives
+    the same order but opens several elements beyond the cycle and buffers far more of each; the older
+    tf.data.experimental.parallel_interleave lets both be set."""
     with deprecation.silence():
         return files.apply(tf.data.experimental.parallel_interleave(
-            read, cycle_length=cycle_length, block_length=2 ** 62, sloppy=not deterministic,
+            read, cycle_length=cycle_length, block_length=block_length, sloppy=sloppy,
             buffer_output_elements=READ_AHEAD_RECORDS, prefetch_input_elements=0))
 
 
