@@ -1,4 +1,7 @@
-"""Replica-group batch norm against NumPy batch norm over each group's concatenated batch, on 8 replicas."""
+"""Replica-group batch norm against NumPy batch norm over each group's concatenated batch, on 8 replicas; our
+CPU batch norm against Keras's fused layer and NumPy."""
+
+import os
 
 from absl.testing import parameterized
 import numpy as np
@@ -159,6 +162,123 @@ class GroupBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         x = self.x[0]
         reference = keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON)
         self.assertAllClose(layer(x, training=True), reference(x, training=True), atol=1e-5)
+
+
+class BatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
+    """batch_norm.BatchNormalization (its own kernels on CPU) against Keras's fused BatchNormalization."""
+
+    def setUp(self):
+        super().setUp()
+        rng = np.random.default_rng(1)
+        # Channel means far from 0 (up to 8 standard deviations), as after a convolution: the variance is a
+        # difference of sums of squares.
+        self.x = (rng.normal(size=(REPLICAS, PER_REPLICA, 3, 3, CHANNELS)) * 0.5 + np.arange(CHANNELS)).astype(
+            np.float32)
+        self.upstream = rng.normal(size=self.x.shape).astype(np.float32)
+        self.gamma = rng.uniform(0.5, 1.5, CHANNELS).astype(np.float32)
+        self.beta = rng.normal(size=CHANNELS).astype(np.float32)
+
+    def make_layers(self, strategy=None, **kwargs):
+        """Ours with its kernels, and Keras's, with the same gamma and beta."""
+        layers = []
+        with (strategy or tf.distribute.get_strategy()).scope():
+            for layer in (batch_norm.BatchNormalization(cpu_kernels=True, momentum=MOMENTUM, epsilon=EPSILON, **kwargs),
+                          keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON, **kwargs)):
+                layer.build((None, 3, 3, CHANNELS))
+                layer.gamma.assign(self.gamma)
+                layer.beta.assign(self.beta)
+                layers.append(layer)
+        return layers
+
+    def test_equals_keras_fused_batch_norm_on_each_replica(self):
+        strategy = helpers.mirrored(REPLICAS)
+        ours, theirs = [run_layer(layer, self.x, self.upstream, strategy) for layer in self.make_layers(strategy)]
+        for a, b in zip(ours, theirs):   # outputs, input gradients, moving mean, moving variance
+            self.assertAllClose(a, b, atol=1e-5, rtol=1e-5)
+
+    def test_matches_numpy_with_keras_moving_statistics(self):
+        ours, _ = self.make_layers()
+        x, upstream = self.x[0], self.upstream[0]
+        with tf.GradientTape() as tape:
+            tape.watch(ours.trainable_variables)
+            inputs = tf.constant(x)
+            tape.watch(inputs)
+            y = ours(inputs, training=True)
+            loss = tf.reduce_sum(y * upstream)
+        dx, dgamma, dbeta = tape.gradient(loss, [inputs, ours.gamma, ours.beta])
+        ey, edx, mean, variance = numpy_batch_norm(x, upstream, self.gamma, self.beta, EPSILON)
+        normalized = (x - mean) / np.sqrt(variance + EPSILON)
+        self.assertAllClose(y, ey, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(dx, edx, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(dgamma, (upstream * normalized).sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
+        self.assertAllClose(dbeta, upstream.sum((0, 1, 2)), atol=1e-5, rtol=1e-5)
+        n = x.size // CHANNELS   # the moving variance averages the unbiased batch variance, as Keras's fused layer
+        self.assertAllClose(ours.moving_mean, (1 - MOMENTUM) * mean, atol=1e-6, rtol=1e-5)
+        self.assertAllClose(ours.moving_variance, MOMENTUM + (1 - MOMENTUM) * variance * n / (n - 1), rtol=1e-5)
+        # Inference normalizes with the moving statistics.
+        expected = (x - ours.moving_mean.numpy()) / np.sqrt(ours.moving_variance.numpy() + EPSILON)
+        self.assertAllClose(ours(inputs, training=False), self.gamma * expected + self.beta, atol=1e-5, rtol=1e-5)
+
+    def test_gamma_and_beta_gradients_equal_keras(self):
+        gradients = []
+        for layer in self.make_layers():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(tf.constant(self.x[1]), training=True) * self.upstream[1])
+            gradients.append(tape.gradient(loss, [layer.gamma, layer.beta]))
+        self.assertAllClose(gradients[0], gradients[1], atol=1e-5, rtol=1e-5)
+
+    @parameterized.parameters(False, True)
+    def test_its_kernels_run_on_cpu_and_keras_elsewhere(self, jit_compile):
+        ours, theirs = self.make_layers()
+
+        def step(layer):
+            @tf.function(jit_compile=jit_compile)
+            def train(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                    loss = tf.reduce_sum(y * self.upstream[2])
+                return y, tape.gradient(loss, x)
+            return train
+
+        x = tf.constant(self.x[2])
+        ops = lambda layer: {op.type for op in step(layer).get_concrete_function(x).graph.get_operations()}
+        self.assertNotIn('FusedBatchNormV3', ops(ours))
+        self.assertIn('MatMul', ops(ours))
+        self.assertIn('FusedBatchNormV3', ops(theirs))
+        self.assertIn('FusedBatchNormV3', ops(batch_norm.BatchNormalization(cpu_kernels=False)))
+        self.assertAllClose(step(ours)(x), step(theirs)(x), atol=1e-5, rtol=1e-5)
+
+    def test_cpu_kernels_by_default_on_a_cpu_machine(self):
+        layer = batch_norm.BatchNormalization()
+        layer.build((None, 3, 3, CHANNELS))
+        self.assertEqual(layer._use_cpu_kernels, not tf.config.list_logical_devices('GPU'))
+        self.assertIsNone(layer.get_config()['cpu_kernels'])   # decided where the layer is built
+
+    @parameterized.named_parameters(
+        ('two_dimensional', dict(), (6, CHANNELS)),   # Keras's unfused path: biased moving variance
+        ('mixed_bfloat16', dict(dtype='mixed_bfloat16'), (4, 3, 3, CHANNELS)),
+        ('not_scaled', dict(scale=False), (4, 3, 3, CHANNELS)))
+    def test_everything_else_is_keras(self, arguments, shape):
+        layers = [batch_norm.BatchNormalization(cpu_kernels=True, **arguments),
+                  keras.layers.BatchNormalization(**arguments)]
+        x = tf.constant(self.x.reshape(-1, CHANNELS)[:np.prod(shape[:-1])].reshape(shape))
+        outputs = [layer(x, training=True) for layer in layers]
+        self.assertEqual(outputs[0].dtype, outputs[1].dtype)
+        self.assertAllClose(outputs[0], outputs[1], atol=1e-6)
+        self.assertAllClose(layers[0].moving_variance, layers[1].moving_variance, atol=1e-6)
+
+    def test_a_keras_checkpoint_loads(self):
+        from imagenet_tpu import resnet
+        keras_norm = lambda name, zero: keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+        networks = [resnet.resnet(10, 10, image_size=32, norm=norm)
+                    for norm in (keras_norm, resnet.batch_norm_factory())]
+        images = tf.constant(np.random.default_rng(2).uniform(size=(2, 32, 32, 3)).astype(np.float32))
+        networks[0](images, training=True)   # moving statistics away from their initial values
+        path = tf.train.Checkpoint(network=networks[0]).write(os.path.join(self.get_temp_dir(), 'keras'))
+        tf.train.Checkpoint(network=networks[1]).read(path).assert_consumed()
+        self.assertAllClose(networks[1](images, training=False), networks[0](images, training=False),
+                            atol=1e-5, rtol=1e-5)
 
 
 if __name__ == '__main__':
