@@ -92,25 +92,27 @@ def nvidia_driver_present() -> bool:
 def import_tensorflow():
     """Imports TensorFlow and lets it list its physical devices (where it probes CUDA); returns the module.
 
-    While it lists them, what TensorFlow writes to stderr is held and passed on afterwards, less the lines that
-    only say that there is no GPU, on machines without an NVIDIA driver (startup_lines_to_show). TensorFlow's
-    C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set. Call it before anything else
+    While it is imported and lists them, what TensorFlow writes to stderr is held and passed on afterwards, less
+    the lines that only say that there is no GPU, on machines without an NVIDIA driver (startup_lines_to_show).
+    TensorFlow's C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set. Call it before anything else
     touches TensorFlow's devices; logical device configuration (strategy.use_logical_cpus) is still possible
     after it."""
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')   # TensorFlow's C++ errors, not its start-up notices
-    already = 'tensorflow' in sys.modules
-    import tensorflow as tf   # pylint: disable=import-outside-toplevel
-    if already or sys.stderr is None:
+    if 'tensorflow' in sys.modules or sys.stderr is None:
+        import tensorflow as tf   # pylint: disable=import-outside-toplevel
         return tf
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (OSError, ValueError):
+        import tensorflow as tf   # pylint: disable=import-outside-toplevel
         return tf      # no usable stderr: nothing to hold back
     gpus = []
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
+            # Under absl's app.run, TensorFlow probes CUDA as it is imported, not when it lists its devices.
+            import tensorflow as tf   # pylint: disable=import-outside-toplevel
             gpus = tf.config.list_physical_devices('GPU')
         finally:
             sys.stderr.flush()

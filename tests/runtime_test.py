@@ -88,6 +88,14 @@ class FreshProcessTest(tf.test.TestCase):
         if not runtime.nvidia_driver_present():
             self.assertNotIn('cuInit', process.stderr)
 
+    def test_a_tool_that_imports_tensorflow_inside_absl_app_run_starts_quietly(self):
+        # Under absl's app.run TensorFlow probes CUDA while it is imported (the benchmarks' runtime.report()).
+        process = run_python('from absl import app\nfrom imagenet_tpu import runtime\n'
+                             'app.run(lambda argv: print(runtime.onednn_enabled()))')
+        self.assertEqual(process.returncode, 0, process.stderr[-2000:])
+        if not runtime.nvidia_driver_present():
+            self.assertEqual(process.stderr, '')
+
 
 if __name__ == '__main__':
     tf.test.main()

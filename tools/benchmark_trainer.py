@@ -136,6 +136,9 @@ def main(argv):
         print(f'error: --steps={_STEPS.value} must be a multiple of --report_every={_REPORT_EVERY.value}, '
               'at least twice it', file=sys.stderr)
         return 2
+    if _ROUNDS.value < 1:
+        print(f'error: --rounds={_ROUNDS.value} must be at least 1', file=sys.stderr)
+        return 2
     for name in _CANDIDATES.value:
         if name.split(':')[0] not in _REPORTS or (':' in name and not name.startswith('ours:')):
             print(f'error: unknown candidate {name!r}; choose from {", ".join(_REPORTS)}', file=sys.stderr)
