@@ -18,11 +18,11 @@ Evaluation, checkpoints and SavedModel exports all read the moving-statistics va
 chosen statistics.
 
 BatchNormalization is Keras's layer, computed faster on CPUs. With TensorFlow's oneDNN kernels, the fused
-batch-norm forward pass on channels-last maps took 1.6-2.7 ns per element for 256-2048 channels (oneDNN walks
-the map once per block of channels), against 0.6 ns for its backward pass. On CPU this layer takes the sums and
-sums of squares with two matrix products (ones [1, n] x the map as [n, C]), normalizes with one multiply-add per
-element, and leaves the backward pass to the same fused gradient kernel, given those statistics: 0.8-1.2 ns per
-element in all, the same function and the same variables, a checkpoint of either layer loads into the other.
+batch-norm forward pass on channels-last maps took 1.6-2.7 ns per element at 256-2048 channels, against 0.6 ns
+for its backward pass (BUILD.md, "Batch norm on CPU"). On CPU this layer takes the mean and the variance with
+two matrix products (ones [1, n] x the map as [n, C], then x its squared deviations), normalizes with one
+multiply-add per element, and leaves the backward pass to the same fused gradient kernel, given those
+statistics: the same function and the same variables, so a checkpoint of either layer loads into the other.
 """
 
 from typing import Callable, Optional, Sequence
@@ -57,9 +57,9 @@ def cpu_only() -> bool:
 def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
     """Batch norm in training mode of float32 NHWC maps x: (y, batch mean, biased batch variance).
 
-    The statistics are two matrix products, sum = ones [1, n] x X and sum of squares = ones x X^2 with X the map
-    as [n, C], and var = sum of squares / n - mean^2 (as GroupBatchNormalization, and Keras's synchronized batch
-    norm); y = x * a + b per channel. The gradient is TensorFlow's fused batch-norm gradient kernel (the one
+    The statistics are two matrix products with X the map as [n, C]: mean = ones [1, n] x X / n, then
+    variance = ones x (X - mean)^2 / n (two passes: no cancellation when a channel's mean is far from 0);
+    y = x * a + b per channel. The gradient is TensorFlow's fused batch-norm gradient kernel (the one
     Keras's fused layer uses) given these statistics: the gradient of the whole function, through mean and
     variance, with respect to x, gamma and beta."""
     channels = x.shape[-1]
@@ -120,7 +120,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             scale = self.gamma * tf.math.rsqrt(self.moving_variance + self.epsilon)
             return inputs * scale + (self.beta - self.moving_mean * scale)
         outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon)
-        count = tf.cast(tf.size(inputs) // tf.shape(inputs)[-1], variance.dtype)
+        count = tf.cast(tf.size(inputs, tf.int64) // tf.shape(inputs, tf.int64)[-1], variance.dtype)
         unbiased = variance * count / tf.maximum(count - 1.0, 1.0)
         self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, None))
         self.add_update(lambda: self._assign_moving_average(self.moving_variance, unbiased, self.momentum, None))
