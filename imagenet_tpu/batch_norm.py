@@ -49,9 +49,22 @@ def _moments_from_sums(sums: tf.Tensor, channels: int):
     return mean, tf.maximum(mean_square - tf.square(mean), 0.0)
 
 
+def places_on_accelerator(devices: Sequence[str]) -> bool:
+    """Whether any of ``devices`` (TensorFlow device names, or a strategy's kind) is a GPU or a TPU."""
+    return any(kind in device.upper() for device in devices for kind in ('GPU', 'TPU'))
+
+
 def cpu_only() -> bool:
-    """True when TensorFlow sees neither a GPU nor a TPU: layers built now will run on the CPU."""
-    return not tf.config.list_logical_devices('GPU') and not tf.config.list_logical_devices('TPU')
+    """True where layers built now will run on the CPU: TensorFlow sees no GPU, and the strategy in scope places
+    no replica on a GPU or TPU (TPUs are not physical devices of the host)."""
+    if tf.config.list_physical_devices('GPU'):
+        return False
+    strategy = tf.distribute.get_strategy()
+    try:
+        devices = tuple(strategy.extended.worker_devices)
+    except (RuntimeError, NotImplementedError, ValueError):
+        devices = ()     # the default strategy: this host's default device
+    return not places_on_accelerator(devices + (type(strategy).__name__,))
 
 
 def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):

@@ -252,8 +252,17 @@ class BatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
     def test_cpu_kernels_by_default_on_a_cpu_machine(self):
         layer = batch_norm.BatchNormalization()
         layer.build((None, 3, 3, CHANNELS))
-        self.assertEqual(layer._use_cpu_kernels, not tf.config.list_logical_devices('GPU'))
+        self.assertEqual(layer._use_cpu_kernels, not tf.config.list_physical_devices('GPU'))
         self.assertIsNone(layer.get_config()['cpu_kernels'])   # decided where the layer is built
+        with helpers.mirrored(REPLICAS).scope():       # 8 replicas on logical CPU devices
+            self.assertEqual(batch_norm.cpu_only(), not tf.config.list_physical_devices('GPU'))
+
+    def test_replicas_on_accelerators_keep_keras_kernels(self):
+        self.assertTrue(batch_norm.places_on_accelerator(['/job:worker/replica:0/task:0/device:TPU:3']))
+        self.assertTrue(batch_norm.places_on_accelerator(['/device:CPU:0', '/device:GPU:0']))
+        self.assertTrue(batch_norm.places_on_accelerator(['TPUStrategyV2']))
+        self.assertFalse(batch_norm.places_on_accelerator(['/job:localhost/replica:0/task:0/device:CPU:0',
+                                                           'MirroredStrategy']))
 
     @parameterized.named_parameters(
         ('two_dimensional', dict(), (6, CHANNELS)),   # Keras's unfused path: biased moving variance
