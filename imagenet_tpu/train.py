@@ -42,8 +42,9 @@ def build_strategy(config: Config) -> tf.distribute.Strategy:
 def build_network(config: Config, num_replicas: int = 1) -> keras.Model:
     """The plain Keras ResNet: images -> logits, with batch norm as configured for ``num_replicas`` replicas.
 
-    Per-replica batch norm with moving averages is Keras's own (fused) layer; replica groups, and the
-    Akiba et al. or re-estimated inference statistics, use batch_norm.GroupBatchNormalization.
+    Per-replica batch norm with moving averages is Keras's layer (batch_norm.BatchNormalization, with faster
+    kernels on CPU); replica groups, and the Akiba et al. or re-estimated inference statistics, use
+    batch_norm.GroupBatchNormalization.
     """
     with mixed_precision_policy(config.precision):
         return _build_network(config, num_replicas)
