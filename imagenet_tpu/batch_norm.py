@@ -50,21 +50,24 @@ def _moments_from_sums(sums: tf.Tensor, channels: int):
 
 
 def places_on_accelerator(devices: Sequence[str]) -> bool:
-    """Whether any of ``devices`` (TensorFlow device names, or a strategy's kind) is a GPU or a TPU."""
-    return any(kind in device.upper() for device in devices for kind in ('GPU', 'TPU'))
+    """Whether any of ``devices`` (TensorFlow device names) is a GPU or a TPU."""
+    return any((tf.DeviceSpec.from_string(device).device_type or '').upper() in ('GPU', 'TPU')
+               for device in devices)
 
 
 def cpu_only() -> bool:
-    """True where layers built now will run on the CPU: TensorFlow sees no GPU, and the strategy in scope places
-    no replica on a GPU or TPU (TPUs are not physical devices of the host)."""
+    """True where layers built now will run on the CPU: TensorFlow sees no GPU, and the strategy in scope is no
+    TPU strategy and places no replica on a GPU or TPU (TPUs are not physical devices of the host)."""
     if tf.config.list_physical_devices('GPU'):
         return False
     strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
+        return False
     try:
         devices = tuple(strategy.extended.worker_devices)
     except (RuntimeError, NotImplementedError, ValueError):
         devices = ()     # the default strategy: this host's default device
-    return not places_on_accelerator(devices + (type(strategy).__name__,))
+    return not places_on_accelerator(devices)
 
 
 def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
@@ -135,8 +138,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
         outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon)
         count = tf.cast(tf.size(inputs, tf.int64) // tf.shape(inputs, tf.int64)[-1], variance.dtype)
         unbiased = variance * count / tf.maximum(count - 1.0, 1.0)
-        self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, None))
-        self.add_update(lambda: self._assign_moving_average(self.moving_variance, unbiased, self.momentum, None))
+        # Under a strategy a replica may get an empty batch: as Keras, it leaves the moving statistics alone
+        # (its statistics are NaN).
+        batch = tf.shape(inputs)[0] if self._support_zero_size_input() else None
+        self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, batch))
+        self.add_update(lambda: self._assign_moving_average(self.moving_variance, unbiased, self.momentum, batch))
         return outputs
 
     def get_config(self):

@@ -260,9 +260,35 @@ class BatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
     def test_replicas_on_accelerators_keep_keras_kernels(self):
         self.assertTrue(batch_norm.places_on_accelerator(['/job:worker/replica:0/task:0/device:TPU:3']))
         self.assertTrue(batch_norm.places_on_accelerator(['/device:CPU:0', '/device:GPU:0']))
-        self.assertTrue(batch_norm.places_on_accelerator(['TPUStrategyV2']))
         self.assertFalse(batch_norm.places_on_accelerator(['/job:localhost/replica:0/task:0/device:CPU:0',
-                                                           'MirroredStrategy']))
+                                                           '/job:tpu_worker/replica:0/task:1/device:CPU:0']))
+
+    def test_an_empty_replica_batch_leaves_the_moving_statistics_as_keras_does(self):
+        strategy = helpers.mirrored(REPLICAS)
+        results = []
+        for layer in self.make_layers(strategy):
+            # Replica 3's batch is empty (the end of a data set split over replicas).
+            inputs = strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.constant(self.x[ctx.replica_id_in_sync_group][
+                    :0 if ctx.replica_id_in_sync_group == 3 else None]))
+            tf.function(lambda batch, layer=layer: strategy.run(
+                lambda images: layer(images, training=True), args=(batch,)))(inputs)
+            local = lambda v: np.stack([np.asarray(t) for t in strategy.experimental_local_results(v)])
+            results.append((local(layer.moving_mean), local(layer.moving_variance)))
+        (ours_mean, ours_variance), (keras_mean, keras_variance) = results
+        self.assertAllClose(ours_mean, keras_mean, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(ours_variance, keras_variance, atol=1e-5, rtol=1e-5)
+        self.assertAllEqual(ours_mean[3], np.zeros(CHANNELS))     # untouched
+        self.assertAllEqual(ours_variance[3], np.ones(CHANNELS))
+
+    def test_not_trainable_is_inference_as_in_keras(self):
+        layers = self.make_layers()
+        for layer in layers:
+            layer.moving_mean.assign(self.x[4].mean((0, 1, 2)) + 0.5)
+            layer.trainable = False
+        x = tf.constant(self.x[4])
+        self.assertAllClose(layers[0](x, training=True), layers[1](x, training=True), atol=1e-5, rtol=1e-5)
+        self.assertAllClose(layers[0].moving_mean, layers[1].moving_mean)   # no update either
 
     @parameterized.named_parameters(
         ('two_dimensional', dict(), (6, CHANNELS)),   # Keras's unfused path: biased moving variance
