@@ -70,6 +70,12 @@ def cpu_only() -> bool:
     return not places_on_accelerator(devices)
 
 
+def _normalize_with(x, gamma, beta, mean, variance, epsilon):
+    """gamma * (x - mean) / sqrt(variance + epsilon) + beta, as one multiply-add per element."""
+    scale = gamma * tf.math.rsqrt(variance + epsilon)
+    return x * scale + (beta - mean * scale)
+
+
 def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
     """Batch norm in training mode of float32 NHWC maps x: (y, batch mean, biased batch variance).
 
@@ -88,8 +94,7 @@ def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon:
         mean = tf.matmul(ones, rows) / tf.cast(count, x.dtype)
         variance = tf.matmul(ones, tf.math.squared_difference(rows, mean)) / tf.cast(count, x.dtype)
         mean, variance = tf.reshape(mean, [channels]), tf.reshape(variance, [channels])
-        scale = gamma * tf.math.rsqrt(variance + epsilon)
-        y = x * scale + (beta - mean * scale)
+        y = _normalize_with(x, gamma, beta, mean, variance, epsilon)
 
         def gradient(dy, *unused_statistics_gradients):
             dx, dgamma, dbeta = tf.raw_ops.FusedBatchNormGradV3(
@@ -133,8 +138,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         inputs = tf.cast(inputs, self.compute_dtype)
         if not training_value:
-            scale = self.gamma * tf.math.rsqrt(self.moving_variance + self.epsilon)
-            return inputs * scale + (self.beta - self.moving_mean * scale)
+            return _normalize_with(inputs, self.gamma, self.beta, self.moving_mean, self.moving_variance,
+                                   self.epsilon)
         outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon)
         count = tf.cast(tf.size(inputs, tf.int64) // tf.shape(inputs, tf.int64)[-1], variance.dtype)
         unbiased = variance * count / tf.maximum(count - 1.0, 1.0)

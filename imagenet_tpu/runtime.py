@@ -94,9 +94,9 @@ def import_tensorflow():
 
     While it is imported and lists them, what TensorFlow writes to stderr is held and passed on afterwards, less
     the lines that only say that there is no GPU, on machines without an NVIDIA driver (startup_lines_to_show).
-    TensorFlow's C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set. Call it before anything else
-    touches TensorFlow's devices; logical device configuration (strategy.use_logical_cpus) is still possible
-    after it."""
+    TensorFlow's C++ log shows errors only (TF_CPP_MIN_LOG_LEVEL=2) unless the variable is set. Call it before
+    anything else touches TensorFlow's devices; logical device configuration (strategy.use_logical_cpus) is
+    still possible after it."""
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')   # TensorFlow's C++ errors, not its start-up notices
     if 'tensorflow' in sys.modules or sys.stderr is None:
         import tensorflow as tf   # pylint: disable=import-outside-toplevel
