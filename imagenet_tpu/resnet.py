@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import batch_norm
+from imagenet_tpu import batch_norm, convolution
 
 # depth -> (block kind, blocks per stage)
 DEPTHS = {
@@ -53,34 +53,36 @@ _CONV_INITIALIZER = {'class_name': 'VarianceScaling',
                      'config': {'scale': 2.0, 'mode': 'fan_out', 'distribution': 'truncated_normal'}}
 
 
-def _conv(filters: int, kernel_size: int, strides: int, name: str) -> keras.layers.Layer:
-    return keras.layers.Conv2D(filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
-                               kernel_initializer=keras.initializers.get(_CONV_INITIALIZER))
+def _conv(filters: int, kernel_size: int, strides: int, name: str,
+          tuning: Optional[bool] = None) -> keras.layers.Layer:
+    """Keras's Conv2D, with its computations tuned to the machine on CPUs (convolution.Conv2D)."""
+    return convolution.Conv2D(filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
+                              kernel_initializer=keras.initializers.get(_CONV_INITIALIZER), cpu_tuning=tuning)
 
 
-def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str):
+def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str, conv=_conv):
     shortcut = x
     if strides != 1 or x.shape[-1] != filters:
-        shortcut = _conv(filters, 1, strides, f'{name}_proj')(x)
+        shortcut = conv(filters, 1, strides, f'{name}_proj')(x)
         shortcut = norm(f'{name}_proj_bn', False)(shortcut)
-    x = _conv(filters, 3, strides, f'{name}_conv1')(x)
+    x = conv(filters, 3, strides, f'{name}_conv1')(x)
     x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
-    x = _conv(filters, 3, 1, f'{name}_conv2')(x)
+    x = conv(filters, 3, 1, f'{name}_conv2')(x)
     x = norm(f'{name}_bn2', True)(x)
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
 
 
-def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: str):
+def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: str, conv=_conv):
     out_filters = filters * BOTTLENECK_EXPANSION
     shortcut = x
     if strides != 1 or x.shape[-1] != out_filters:
-        shortcut = _conv(out_filters, 1, strides, f'{name}_proj')(x)
+        shortcut = conv(out_filters, 1, strides, f'{name}_proj')(x)
         shortcut = norm(f'{name}_proj_bn', False)(shortcut)
-    x = _conv(filters, 1, 1, f'{name}_conv1')(x)
+    x = conv(filters, 1, 1, f'{name}_conv1')(x)
     x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
-    x = _conv(filters, 3, strides, f'{name}_conv2')(x)  # v1.5: the stride sits on the 3x3 convolution
+    x = conv(filters, 3, strides, f'{name}_conv2')(x)  # v1.5: the stride sits on the 3x3 convolution
     x = keras.layers.ReLU(name=f'{name}_relu2')(norm(f'{name}_bn2', False)(x))
-    x = _conv(out_filters, 1, 1, f'{name}_conv3')(x)
+    x = conv(out_filters, 1, 1, f'{name}_conv3')(x)
     x = norm(f'{name}_bn3', True)(x)
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
 
@@ -172,7 +174,8 @@ class Standardize(keras.layers.Layer):
 
 def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
            norm: Optional[NormFactory] = None, space_to_depth: bool = False,
-           input_dtype: Optional[str] = None, name: Optional[str] = None) -> keras.Model:
+           input_dtype: Optional[str] = None, tune_convolutions: Optional[bool] = None,
+           name: Optional[str] = None) -> keras.Model:
     """A ResNet v1.5 classifier: images -> logits [batch, num_classes] (float32).
 
     Images are pixels in 0..255 (the first layer standardizes them with ImageNet's channel statistics),
@@ -180,13 +183,15 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
     [batch, image_size / 2, image_size / 2, 12] = tf.nn.space_to_depth(images, 2), met by a 4x4 stride-1
     convolution that stays exactly the 7x7 stride-2 one (SpaceToDepthStem). ``norm`` makes each normalization
     layer (default: batch_norm_factory()). ``input_dtype``: the images' dtype (default: the policy's compute
-    dtype, so bfloat16 images from the input pipeline are not cast twice).
+    dtype, so bfloat16 images from the input pipeline are not cast twice). ``tune_convolutions``: each
+    convolution's computations tuned to the machine (convolution.Conv2D; default: on machines without GPU or TPU).
     """
     if depth not in DEPTHS:
         raise ValueError(f'unsupported ResNet depth {depth}; choose one of {sorted(DEPTHS)}')
     kind, stage_blocks = DEPTHS[depth]
     block = _basic_block if kind == 'basic' else _bottleneck_block
     norm = norm or batch_norm_factory()
+    conv = functools.partial(_conv, tuning=tune_convolutions)
     input_dtype = input_dtype or keras.mixed_precision.global_policy().compute_dtype
 
     if space_to_depth:
@@ -196,13 +201,13 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
         x = SpaceToDepthStem(64, _CONV_INITIALIZER, name='stem_conv')(_standardize(images))
     else:
         images = keras.Input((image_size, image_size, 3), name='images', dtype=input_dtype)
-        x = _conv(64, 7, 2, 'stem_conv')(_standardize(images))
+        x = conv(64, 7, 2, 'stem_conv')(_standardize(images))
     x = keras.layers.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
     x = keras.layers.MaxPool2D(3, strides=2, padding='same', name='stem_pool')(x)
     for stage, (blocks, filters) in enumerate(zip(stage_blocks, STAGE_WIDTHS)):
         for index in range(blocks):
             strides = 2 if index == 0 and stage > 0 else 1
-            x = block(x, filters, strides, norm, f'stage{stage + 1}_block{index + 1}')
+            x = block(x, filters, strides, norm, f'stage{stage + 1}_block{index + 1}', conv)
     x = keras.layers.GlobalAveragePooling2D(name='pool')(x)
     logits = keras.layers.Dense(
         num_classes, name='logits', kernel_initializer=keras.initializers.RandomNormal(stddev=0.01))(x)

@@ -1,7 +1,8 @@
 """Training images/s of our ResNet-50 step against keras.applications' ResNet50 (tf_keras) and tf-models-official's
 ResNet-50 (official.vision backbone + classification head), on the same synthetic batch, batch size, image size,
 optimizer (momentum SGD, no weight decay) and precision, timed in alternating rounds in one run. Also our network
-with Keras's fused batch norm instead of batch_norm.BatchNormalization (ours_keras_bn, on request), and with LARS
+with Keras's fused batch norm instead of batch_norm.BatchNormalization (ours_keras_bn, on request), with Keras's
+convolutions instead of the tuned convolution.Conv2D (ours_keras_conv, on request), and with LARS
 and batch_norm.GroupBatchNormalization, to show what they cost.
 
 Every model is trained by the same classifier.Classifier step, so only the networks differ. keras.applications'
@@ -26,7 +27,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import step_timing  # pylint: disable=wrong-import-position
 
-GMAC_224 = {'ours': 4.09, 'ours_keras_bn': 4.09, 'ours_lars_groupbn': 4.09, 'keras_applications': 3.86,
+GMAC_224 = {'ours': 4.09, 'ours_keras_bn': 4.09, 'ours_keras_conv': 4.09, 'ours_lars_groupbn': 4.09,
+            'keras_applications': 3.86,
             'tf_models_official': 4.09}
 
 
@@ -50,6 +52,8 @@ def build_network(name, image_size):
         return resnet.resnet(50, 1000, image_size=image_size, norm=lambda layer_name, zero_gamma: (
             keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=layer_name,
                                             gamma_initializer='zeros' if zero_gamma else 'ones')))
+    if name == 'ours_keras_conv':   # Keras's convolutions, untuned, instead of convolution.Conv2D's
+        return resnet.resnet(50, 1000, image_size=image_size, tune_convolutions=False)
     if name == 'ours_lars_groupbn':
         return resnet.resnet(50, 1000, image_size=image_size, norm=batch_norm.group_batch_norm_factory(1))
     if name == 'keras_applications':
