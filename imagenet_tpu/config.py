@@ -117,6 +117,9 @@ class Config:
                                       'stay float32.', choices=('float32', 'mixed_bfloat16', 'mixed_float16'))
     jit_compile: Optional[bool] = model(None, 'XLA-compile the train step (default: on with GPUs, off on CPUs; '
                                               'TPUs always compile).')
+    tune_convolutions: bool = model(True, "On machines without GPU or TPU, time each convolution's equivalent "
+                                          'formulations once and use the fastest (convolution.py); off: '
+                                          "TensorFlow's convolution op throughout. Never with --deterministic.")
     steps_per_execution: Optional[int] = model(None, 'Training steps per host call (default: 100 on TPU, capped '
                                                      'by an epoch; 1 elsewhere).', unit='steps', minimum=1)
     bn_momentum: float = model(0.9, 'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short '

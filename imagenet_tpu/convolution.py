@@ -187,12 +187,12 @@ _choices: Dict[Problem, Dict[str, str]] = {}
 _lock = threading.Lock()
 
 
-def choose(problem: Problem, measure_fn=measure) -> Dict[str, str]:
+def choose(problem: Problem, measure_fn: Optional[Callable] = None) -> Dict[str, str]:
     """The tuned choice for ``problem``: measured on its first request in this process, then remembered."""
     with _lock:
         if problem not in _choices:
             with tf.init_scope():          # eagerly, also while a tf.function is being traced
-                _choices[problem] = fastest(measure_fn(problem))
+                _choices[problem] = fastest((measure_fn or measure)(problem))
         return _choices[problem]
 
 
@@ -222,10 +222,14 @@ class Conv2D(keras.layers.Conv2D):
 
     def problem(self, inputs) -> Optional[Problem]:
         """The Problem of this layer on ``inputs``, or None where tuning does not apply."""
-        shape = inputs.shape
+        return self.problem_for(inputs.shape, inputs.dtype)
+
+    def problem_for(self, shape, dtype=tf.float32) -> Optional[Problem]:
+        """The Problem of this layer on maps of ``shape`` and ``dtype``, or None where tuning does not apply."""
+        shape = tf.TensorShape(shape)
         if not (self._tune and self.rank == 2 and self.data_format == 'channels_last' and self.groups == 1
                 and self.dilation_rate == (1, 1) and self.padding in ('same', 'valid')
-                and inputs.dtype == tf.float32 and self.compute_dtype == 'float32'
+                and tf.as_dtype(dtype) == tf.float32 and self.compute_dtype == 'float32'
                 and shape.rank == 4 and shape.is_fully_defined()):
             return None
         problem = Problem(batch=shape[0], height=shape[1], width=shape[2], in_channels=shape[3],
@@ -246,3 +250,22 @@ class Conv2D(keras.layers.Conv2D):
         config = super().get_config()
         config.update(cpu_tuning=self.cpu_tuning)
         return config
+
+
+def tune_network(network: keras.Model, batch_size: int, num_replicas: int = 1) -> Dict[Problem, Dict[str, str]]:
+    """Tunes every Conv2D of ``network`` for batches of ``batch_size`` per replica now, before training starts
+    (rather than while its step is traced, beside the input pipeline's threads); returns the choices. Nothing is
+    tuned with several replicas, with op determinism on, or where the layers' own rules say no."""
+    if num_replicas != 1 or tf_config.is_op_determinism_enabled():
+        return {}
+    choices = {}
+    for layer in network.submodules:     # nested models too
+        if isinstance(layer, Conv2D) and layer.built:
+            try:
+                shape = layer.input_shape        # one input shape: a layer called once
+            except (AttributeError, RuntimeError):
+                continue
+            problem = layer.problem_for([batch_size, *shape[1:]])
+            if problem is not None:
+                choices[problem] = choose(problem)
+    return choices

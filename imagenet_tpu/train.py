@@ -17,7 +17,7 @@ import tf_keras as keras
 
 from imagenet_tpu import batch_norm, callbacks as callbacks_lib, checkpointing, classifier as classifier_lib
 from imagenet_tpu import collectives, data_service, export, input_pipeline, labels, lars, record_io, regularization, resnet
-from imagenet_tpu import rmsprop_warmup, schedules
+from imagenet_tpu import convolution, rmsprop_warmup, schedules
 from imagenet_tpu import strategy as strategy_lib, tfrecord
 from imagenet_tpu.config import Config
 from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, summarize_graph_error
@@ -74,7 +74,8 @@ def _build_network(config: Config, num_replicas: int) -> keras.Model:
                 group_size, config.bn_momentum, config.bn_epsilon, config.bn_inference_statistics,
                 config.mesh_shape, config.cores_per_chip)
     return resnet.resnet(config.depth, config.num_classes, image_size=config.image_size, norm=norm,
-                         space_to_depth=config.space_to_depth)
+                         space_to_depth=config.space_to_depth,
+                         tune_convolutions=None if config.tune_convolutions else False)
 
 
 def build_learning_rate(config: Config) -> keras.optimizers.schedules.LearningRateSchedule:
@@ -167,6 +168,17 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
     # Create the optimizer's slots now, so a checkpoint restores into existing variables.
     classifier.optimizer.build(classifier.network.trainable_variables)
     return classifier
+
+
+def tune_convolutions(network: keras.Model, config: Config, num_replicas: int, print_fn=print) -> None:
+    """Times the convolutions' formulations on this machine before the input pipeline starts (convolution.py:
+    CPU-only machines, one replica, not --deterministic, float32)."""
+    started = time.perf_counter()
+    choices = convolution.tune_network(network, config.global_batch_size // num_replicas, num_replicas)
+    if choices:
+        others = sum(any(name != convolution.DEFAULT for name in choice.values()) for choice in choices.values())
+        print_fn(f'convolutions tuned to this machine: {len(choices)} shapes, {others} computed another way than '
+                 f"TensorFlow's convolution op ({time.perf_counter() - started:.1f} s)")
 
 
 def use_jit(config: Config) -> bool:
@@ -370,6 +382,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     check_replicas(config, strategy.num_replicas_in_sync)
     with strategy.scope():
         classifier = build_classifier(config)
+    tune_convolutions(classifier.network, config, strategy.num_replicas_in_sync, print_fn)
     manager, on_sigterm = (checkpointing.resume(classifier, config.model_dir, strategy, print_fn)
                            if config.model_dir else (None, None))
 

@@ -220,6 +220,32 @@ class ResNetTuningTest(tf.test.TestCase):
         for got, expected in zip(tuned, gradients(networks[1])):
             self.assertAllClose(got, expected, atol=1e-3, rtol=1e-4)
 
+    def test_tune_network_before_training(self):
+        network = resnet.resnet(18, 10, image_size=32)
+        expected = {Problem(6, *layer.input_shape[1:], layer.filters, layer.kernel_size, layer.strides, 'SAME')
+                    for layer in network.layers if isinstance(layer, convolution.Conv2D)}
+        measured = []
+
+        def fake_measure(problem):
+            measured.append(problem)
+            return {part: {name: 1.0 + index for index, name in enumerate(names)}
+                    for part, names in convolution.candidates(problem).items()}
+
+        with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), \
+                mock.patch.object(convolution, 'measure', fake_measure), \
+                mock.patch.dict(convolution._choices, clear=True):
+            self.assertEqual(convolution.tune_network(network, 6, num_replicas=2), {})
+            tf_config.enable_op_determinism()
+            try:
+                self.assertEqual(convolution.tune_network(network, 6), {})
+            finally:
+                tf_config.disable_op_determinism()
+            self.assertEqual(measured, [])
+            choices = convolution.tune_network(network, 6)
+            self.assertEqual(set(choices), expected)
+            self.assertCountEqual(measured, expected)          # each problem once
+            self.assertTrue(all(name == 'convolution' for choice in choices.values() for name in choice.values()))
+
 
 if __name__ == '__main__':
     tf.test.main()
