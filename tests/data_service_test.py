@@ -156,11 +156,12 @@ class WorkerLossTest(tf.test.TestCase):
         epochs = sorted({epoch for epoch, _ in seen})
         per_epoch = [sum(1 for epoch, _ in seen if epoch == number) for number in epochs]
         self.assertEqual(max(seen.values()), 1, per_epoch)           # never twice in an epoch
-        # An epoch wholly after the kill has every image (not the last two read: the worker reads two files at a
-        # time, possibly of consecutive epochs, and its shuffle buffer holds records of both).
-        self.assertEqual(per_epoch[-3], IMAGES, per_epoch)
+        # An epoch wholly after the kill has every image; not the last three read: when reading stops, the records
+        # not read yet (the worker's shuffle buffer of 8, its two open files, prefetched batches) can belong to
+        # three epochs when the last one has just begun (one run read [15, 21, 18, 24, 24, 23, 18, 1]).
+        self.assertEqual(per_epoch[-4], IMAGES, per_epoch)
         # What the killed worker had: its open files (2 of 6 records), its shuffle buffer (8), a few batches.
-        lost = [IMAGES - count for count in per_epoch[:-2]]
+        lost = [IMAGES - count for count in per_epoch[:-3]]
         self.assertLessEqual(sum(lost), 2 * 6 + 8 + 2 * 3, lost)
         print(f'images missing per epoch after worker 1 was killed: {lost}')
 
