@@ -25,6 +25,7 @@ multiply-add per element, and leaves the backward pass to the same fused gradien
 statistics: the same function and the same variables, so a checkpoint of either layer loads into the other.
 """
 
+import weakref
 from typing import Callable, Optional, Sequence
 
 import tensorflow as tf
@@ -61,7 +62,7 @@ def cpu_only() -> bool:
     if tf.config.list_physical_devices('GPU'):
         return False
     strategy = tf.distribute.get_strategy()
-    if isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy)):
+    if collectives.is_tpu_strategy(strategy):
         return False
     try:
         devices = tuple(strategy.extended.worker_devices)
@@ -162,12 +163,13 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
 
     Args: group_size (replicas per group, a divisor of the replica count; default 1), mesh_shape (optional
     (X, Y) chips: groups become 2-D tiles, see collectives.group_assignment), cores_per_chip (default 2),
-    inference_statistics ('moving_average', 'last_batch' or 'reestimate'), and every argument of
+    replica_order (optional: the replica at each mesh index, on a TPU slice; collectives.py), inference_statistics ('moving_average', 'last_batch' or 'reestimate'), and every argument of
     BatchNormalization (axis, momentum, epsilon, center, scale, initializers, regularizers).
     """
 
     def __init__(self, group_size: int = 1, mesh_shape: Optional[Sequence[int]] = None, cores_per_chip: int = 2,
-                 inference_statistics: str = 'moving_average', **kwargs):
+                 inference_statistics: str = 'moving_average', replica_order: Optional[Sequence[int]] = None,
+                 **kwargs):
         kwargs['fused'] = False       # the fused kernel computes its own statistics
         kwargs.pop('synchronized', None)
         super().__init__(**kwargs)
@@ -177,6 +179,7 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
         self.group_size = group_size
         self.mesh_shape = tuple(mesh_shape) if mesh_shape else None
         self.cores_per_chip = cores_per_chip
+        self.replica_order = tuple(replica_order) if replica_order is not None else None
         self.inference_statistics = inference_statistics
         self._global_moments = None
 
@@ -189,7 +192,7 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
         sums = _local_sums(inputs, reduction_axes)
         total, grouped = collectives.all_and_grouped_sum(
             sums, self.group_size, self.mesh_shape, self.cores_per_chip,
-            need_total=self.inference_statistics == 'last_batch')
+            need_total=self.inference_statistics == 'last_batch', replica_order=self.replica_order)
         mean, variance = _moments_from_sums(grouped, channels)
         # Statistics of the whole global batch, kept for the moving-statistics update of 'last_batch'.
         self._global_moments = _moments_from_sums(tf.stop_gradient(total), channels) if total is not None else None
@@ -208,17 +211,19 @@ class GroupBatchNormalization(keras.layers.BatchNormalization):
     def get_config(self):
         config = super().get_config()
         config.update(group_size=self.group_size, mesh_shape=self.mesh_shape, cores_per_chip=self.cores_per_chip,
-                      inference_statistics=self.inference_statistics)
+                      inference_statistics=self.inference_statistics, replica_order=self.replica_order)
         return config
 
 
 def group_batch_norm_factory(group_size: int = 1, momentum: float = 0.9, epsilon: float = 1e-5,
                              inference_statistics: str = 'moving_average',
-                             mesh_shape: Optional[Sequence[int]] = None, cores_per_chip: int = 2) -> Callable:
+                             mesh_shape: Optional[Sequence[int]] = None, cores_per_chip: int = 2,
+                             replica_order: Optional[Sequence[int]] = None) -> Callable:
     """A resnet.NormFactory making GroupBatchNormalization layers."""
     def make(name: str, zero_gamma: bool) -> keras.layers.Layer:
         return GroupBatchNormalization(group_size=group_size, mesh_shape=mesh_shape, cores_per_chip=cores_per_chip,
-                                       inference_statistics=inference_statistics, momentum=momentum,
+                                       inference_statistics=inference_statistics, replica_order=replica_order,
+                                       momentum=momentum,
                                        epsilon=epsilon, name=name,
                                        gamma_initializer='zeros' if zero_gamma else 'ones')
     return make
@@ -241,7 +246,28 @@ def reestimate_statistics(network: keras.Model, batches, steps: int,
     """
     strategy = strategy or tf.distribute.get_strategy()
     layers = batch_norm_layers(network)
-    probe = keras.Model(network.inputs, [layer.input for layer in layers])
+    sums_of = _sums_function(network, strategy)
+    totals = None
+    for _ in range(steps):
+        sums = sums_of(next(batches))
+        totals = sums if totals is None else [a + b for a, b in zip(totals, sums)]
+    for layer, total in zip(layers, totals):
+        mean, variance = _moments_from_sums(total, layer.moving_mean.shape[-1])
+        layer.moving_mean.assign(tf.cast(tf.reshape(mean, layer.moving_mean.shape), layer.moving_mean.dtype))
+        layer.moving_variance.assign(
+            tf.cast(tf.reshape(variance, layer.moving_variance.shape), layer.moving_variance.dtype))
+
+
+_SUMS_FUNCTIONS = weakref.WeakKeyDictionary()     # network -> (strategy, tf.function)
+
+
+def _sums_function(network: keras.Model, strategy: tf.distribute.Strategy):
+    """The batch -> per-layer [S1, S2, n] function of reestimate_statistics, made (and traced) once per network
+    and strategy rather than at every evaluation."""
+    cached = _SUMS_FUNCTIONS.get(network)
+    if cached is not None and cached[0] is strategy:
+        return cached[1]
+    probe = keras.Model(network.inputs, [layer.input for layer in batch_norm_layers(network)])
 
     @tf.function
     def sums_of(batch):
@@ -253,12 +279,5 @@ def reestimate_statistics(network: keras.Model, batches, steps: int,
         per_replica = strategy.run(replica_sums, args=(batch[0],))
         return [strategy.experimental_local_results(s)[0] for s in per_replica]
 
-    totals = None
-    for _ in range(steps):
-        sums = sums_of(next(batches))
-        totals = sums if totals is None else [a + b for a, b in zip(totals, sums)]
-    for layer, total in zip(layers, totals):
-        mean, variance = _moments_from_sums(total, layer.moving_mean.shape[-1])
-        layer.moving_mean.assign(tf.cast(tf.reshape(mean, layer.moving_mean.shape), layer.moving_mean.dtype))
-        layer.moving_variance.assign(
-            tf.cast(tf.reshape(variance, layer.moving_variance.shape), layer.moving_variance.dtype))
+    _SUMS_FUNCTIONS[network] = (strategy, sums_of)
+    return sums_of

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from typing import Optional
 
 import tensorflow as tf
@@ -141,12 +142,37 @@ def average_moving_statistics(network: keras.Model, strategy: tf.distribute.Stra
 
     Keras keeps moving statistics per replica (synchronized on read): each replica updates its own copy from its
     own batches, an evaluation under the strategy uses each replica's copy, and a checkpoint or an export reads
-    their mean. After this call every replica holds that mean, so evaluation uses the exported statistics.
+    their mean. After this call every replica holds that mean, so evaluation uses the exported statistics. It is
+    one replicated step (one all-reduce of every statistic, each replica assigning the mean to its own copy),
+    traced once per network and strategy: assigning from the host would be one eager op per replica and
+    variable (~53 x 2 x 1,024 on a TPU v3-1024).
     """
-    with strategy.scope():
-        for layer in batch_norm.batch_norm_layers(network):
-            for variable in (layer.moving_mean, layer.moving_variance):
-                variable.assign(variable.read_value())
+    _averager(network, strategy)()
+
+
+_AVERAGERS = weakref.WeakKeyDictionary()     # network -> (strategy, tf.function)
+
+
+def _averager(network: keras.Model, strategy: tf.distribute.Strategy):
+    cached = _AVERAGERS.get(network)
+    if cached is not None and cached[0] is strategy:
+        return cached[1]
+    variables = [variable for layer in batch_norm.batch_norm_layers(network)
+                 for variable in (layer.moving_mean, layer.moving_variance)]
+
+    def replica_step():
+        context = tf.distribute.get_replica_context()
+        means = context.all_reduce(tf.distribute.ReduceOp.MEAN, [tf.identity(v) for v in variables])
+        for variable, mean in zip(variables, means):
+            variable.assign(mean)
+
+    @tf.function
+    def average():
+        if variables:
+            strategy.run(replica_step)
+
+    _AVERAGERS[network] = (strategy, average)
+    return average
 
 
 class AverageMovingStatistics(keras.callbacks.Callback):

@@ -4,8 +4,10 @@ Group assignments are pure Python (tested against hand-written tables). ``groupe
 grouped cross-replica sum under TPUStrategy and, under every other strategy, one all-reduce of a tensor in which
 each replica fills its group's row: the same result, so the tests run the algorithm on 8 logical CPU devices.
 
-Replica ids on a mesh: the mesh is X x Y chips with ``cores_per_chip`` replicas each (2 on TPU v3), numbered
-row-major over chips with a chip's cores consecutive: replica = (y * X + x) * cores_per_chip + core.
+Replicas on a mesh: the mesh is X x Y chips with ``cores_per_chip`` replicas each (2 on TPU v3), indexed
+row-major over chips with a chip's cores consecutive: mesh index = (y * X + x) * cores_per_chip + core. The replica
+at mesh index m is ``replica_order[m]`` (on a TPU slice, tpu_mesh.Placement.replica_order: TPUStrategy numbers
+replicas host by host, not along the torus); without ``replica_order`` replica m sits at mesh index m.
 """
 
 import math
@@ -14,47 +16,74 @@ from typing import List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 
-def tile_shape(group_size: int, cores_per_chip: int = 2) -> Tuple[int, int]:
+def tile_shape(group_size: int, cores_per_chip: int = 2, mesh_shape: Optional[Sequence[int]] = None
+               ) -> Tuple[int, int]:
     """Chips (x, y) of the 2-D tile holding one group: 8 -> (2, 2), 16 -> (2, 4), 32 -> (4, 4), 64 -> (4, 8)
-    with 2 cores per chip, the tiles of Google's MLPerf TPU submissions (square, else twice as long in y)."""
+    with 2 cores per chip, the tiles of Google's MLPerf TPU submissions (square, else twice as long in y). On a
+    ``mesh_shape`` (X, Y chips) that such a tile does not divide, the tile nearest that shape which does (one
+    always does when the group's chips divide X * Y: they are a power of two)."""
     if group_size % cores_per_chip:
         raise ValueError(f'a group of {group_size} replicas is not a whole number of {cores_per_chip}-core chips')
     chips = group_size // cores_per_chip
     if chips & (chips - 1):
         raise ValueError(f'2-D tiles need a power-of-two number of chips per group, got {chips}')
-    x = 2 ** (int(math.log2(chips)) // 2)
-    return x, chips // x
+    preferred = int(math.log2(chips)) // 2
+    if mesh_shape is None:
+        return 2 ** preferred, chips // 2 ** preferred
+    fitting = [power for power in range(int(math.log2(chips)) + 1)
+               if mesh_shape[0] % 2 ** power == 0 and mesh_shape[1] % (chips // 2 ** power) == 0]
+    if not fitting:
+        raise ValueError(f'no tile of {chips} chips divides the {mesh_shape[0]}x{mesh_shape[1]} mesh')
+    power = min(fitting, key=lambda p: (abs(p - preferred), p))
+    return 2 ** power, chips // 2 ** power
+
+
+def _placed(groups: List[List[int]], replica_order: Optional[Sequence[int]], keep_order: bool = False):
+    """Groups of mesh indexes as groups of the replicas at those places (each sorted, unless ``keep_order``)."""
+    if replica_order is None:
+        return groups
+    if len(replica_order) != sum(len(group) for group in groups):
+        raise ValueError(f'replica order of {len(replica_order)} replicas for a mesh of '
+                         f'{sum(len(group) for group in groups)}')
+    placed = [[replica_order[index] for index in group] for group in groups]
+    return placed if keep_order else sorted(sorted(group) for group in placed)
 
 
 def group_assignment(num_replicas: int, group_size: int, mesh_shape: Optional[Sequence[int]] = None,
-                     cores_per_chip: int = 2) -> List[List[int]]:
-    """Replica ids of each group, groups in order of their first replica.
+                     cores_per_chip: int = 2, replica_order: Optional[Sequence[int]] = None) -> List[List[int]]:
+    """Replica ids of each group (sorted), groups in order of their first replica.
 
-    Without ``mesh_shape``: contiguous groups [0..k-1], [k..2k-1], .... With ``mesh_shape`` = (X, Y) chips: each
-    group is a tile_shape(group_size) block of neighbouring chips (all their cores), so a group's collective
-    stays on neighbouring links.
+    Without ``mesh_shape``: groups of consecutive mesh indexes [0..k-1], [k..2k-1], .... With ``mesh_shape`` =
+    (X, Y) chips: each group is a tile_shape(group_size) block of neighbouring chips (all their cores), so a
+    group's collective stays on neighbouring links. ``replica_order``: the replica at each mesh index (module
+    docstring).
     """
     if group_size < 1 or num_replicas % group_size:
         raise ValueError(f'group size {group_size} does not divide the {num_replicas} replicas')
     if mesh_shape is None or group_size == 1:
-        return [list(range(start, start + group_size)) for start in range(0, num_replicas, group_size)]
+        return _placed([list(range(start, start + group_size)) for start in range(0, num_replicas, group_size)],
+                       replica_order)
     mesh_x, mesh_y = mesh_shape
     if mesh_x * mesh_y * cores_per_chip != num_replicas:
         raise ValueError(f'mesh {mesh_x}x{mesh_y} chips x {cores_per_chip} cores is not {num_replicas} replicas')
-    tile_x, tile_y = tile_shape(group_size, cores_per_chip)
-    if mesh_x % tile_x or mesh_y % tile_y:
-        raise ValueError(f'{tile_x}x{tile_y}-chip tiles do not divide the {mesh_x}x{mesh_y} mesh')
+    tile_x, tile_y = tile_shape(group_size, cores_per_chip, mesh_shape)
     groups = []
     for y0 in range(0, mesh_y, tile_y):
         for x0 in range(0, mesh_x, tile_x):
             groups.append(sorted((y * mesh_x + x) * cores_per_chip + core
                                  for y in range(y0, y0 + tile_y) for x in range(x0, x0 + tile_x)
                                  for core in range(cores_per_chip)))
-    return sorted(groups)
+    return _placed(sorted(groups), replica_order)
+
+
+def is_tpu_strategy(strategy: tf.distribute.Strategy) -> bool:
+    """Whether ``strategy`` is a TPU strategy: tf.distribute.TPUStrategy or tf.distribute.experimental.TPUStrategy
+    (a class of its own in TF 2.20, not a subclass)."""
+    return isinstance(strategy, (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy))
 
 
 def _on_tpu() -> bool:
-    return isinstance(tf.distribute.get_strategy(), (tf.distribute.TPUStrategy,))
+    return is_tpu_strategy(tf.distribute.get_strategy())
 
 
 def _tpu_grouped_sum(value: tf.Tensor, groups: List[List[int]]) -> tf.Tensor:
@@ -102,7 +131,8 @@ def _placed_sum(context, value, groups) -> Tuple[tf.Tensor, tf.Tensor]:
 
 
 def all_and_grouped_sum(value: tf.Tensor, group_size: int, mesh_shape: Optional[Sequence[int]] = None,
-                        cores_per_chip: int = 2, need_total: bool = True) -> Tuple[tf.Tensor, tf.Tensor]:
+                        cores_per_chip: int = 2, need_total: bool = True,
+                        replica_order: Optional[Sequence[int]] = None) -> Tuple[tf.Tensor, tf.Tensor]:
     """(sum of ``value`` over all replicas, sum over this replica's group), in replica context; differentiable.
 
     group_size 1 gives ``value`` as the group sum; group_size = all replicas is one plain all-reduce. On TPU the
@@ -119,7 +149,7 @@ def all_and_grouped_sum(value: tf.Tensor, group_size: int, mesh_shape: Optional[
         return total, total
     if group_size == 1 and not need_total:
         return None, value
-    groups = group_assignment(num_replicas, group_size, mesh_shape, cores_per_chip)
+    groups = group_assignment(num_replicas, group_size, mesh_shape, cores_per_chip, replica_order)
     if _on_tpu() or (group_size == 1 and need_total):
         total = replica_sum(value) if need_total else None
         grouped = value if group_size == 1 else _tpu_grouped_sum(value, groups)
@@ -128,19 +158,20 @@ def all_and_grouped_sum(value: tf.Tensor, group_size: int, mesh_shape: Optional[
 
 
 def grouped_all_reduce(value: tf.Tensor, group_size: int, mesh_shape: Optional[Sequence[int]] = None,
-                       cores_per_chip: int = 2) -> tf.Tensor:
+                       cores_per_chip: int = 2, replica_order: Optional[Sequence[int]] = None) -> tf.Tensor:
     """Sum of ``value`` over the replicas of this replica's group (replica context); differentiable.
 
     group_size 1 returns ``value``, group_size = all replicas is a plain all-reduce, and outside a strategy
     (one replica) it returns ``value``.
     """
-    return all_and_grouped_sum(value, group_size, mesh_shape, cores_per_chip, need_total=False)[1]
+    return all_and_grouped_sum(value, group_size, mesh_shape, cores_per_chip, need_total=False,
+                               replica_order=replica_order)[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2-D torus all-reduce of gradients (Ying et al. 2018).
 #
-# On an X x Y mesh of replicas (replica id = y * X + x: a row is X consecutive ids, a column every X-th id) a sum
+# On an X x Y mesh of replicas (mesh index = y * X + x: a row is X consecutive indexes, a column every X-th) a sum
 # over all N = X * Y replicas is done in three phases, on a few large buckets rather than ~160 small tensors:
 #   1. reduce-scatter within each row: replica x of a row ends with the row's sum of chunk x of the bucket;
 #   2. all-reduce within each column: chunk x summed over the whole mesh;
@@ -156,12 +187,14 @@ def default_mesh_shape(num_replicas: int) -> Tuple[int, int]:
     return num_replicas // y, y
 
 
-def mesh_groups(mesh_shape: Sequence[int]) -> Tuple[List[List[int]], List[List[int]]]:
-    """(rows, columns) of replica ids on an X x Y mesh, replica id = y * X + x."""
+def mesh_groups(mesh_shape: Sequence[int], replica_order: Optional[Sequence[int]] = None
+                ) -> Tuple[List[List[int]], List[List[int]]]:
+    """(rows, columns) of replica ids on an X x Y mesh, mesh index = y * X + x, each in mesh order (the order
+    of the chunks a row's members hold); ``replica_order``: the replica at each mesh index."""
     mesh_x, mesh_y = mesh_shape
     rows = [[y * mesh_x + x for x in range(mesh_x)] for y in range(mesh_y)]
     columns = [[y * mesh_x + x for y in range(mesh_y)] for x in range(mesh_x)]
-    return rows, columns
+    return _placed(rows, replica_order, keep_order=True), _placed(columns, replica_order, keep_order=True)
 
 
 def bucket_layout(sizes: Sequence[int], bytes_per_element: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -219,12 +252,13 @@ def _reduce_2d_flat(flat: tf.Tensor, context, rows, columns, row_size: int) -> t
 
 
 def all_reduce_2d(values: Sequence[tf.Tensor], mesh_shape: Sequence[int], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                  dtype: Optional[tf.DType] = None) -> List[tf.Tensor]:
+                  dtype: Optional[tf.DType] = None, replica_order: Optional[Sequence[int]] = None) -> List[tf.Tensor]:
     """Sums each tensor of ``values`` over all replicas (replica context) with the 2-D algorithm above.
 
     mesh_shape: (X, Y) replicas, X * Y = the replica count. Tensors are packed into buckets of about
     ``bucket_bytes``, each padded to a multiple of X. ``dtype`` (e.g. tf.bfloat16) sums in that type, half the
-    bytes, and returns the original types. Outside a strategy it returns the values unchanged.
+    bytes, and returns the original types. ``replica_order``: the replica at each mesh index (module docstring).
+    Outside a strategy it returns the values unchanged.
     """
     context = tf.distribute.get_replica_context()
     num_replicas = context.num_replicas_in_sync if context else 1
@@ -234,7 +268,7 @@ def all_reduce_2d(values: Sequence[tf.Tensor], mesh_shape: Sequence[int], *, buc
     mesh_x, mesh_y = mesh_shape
     if mesh_x * mesh_y != num_replicas:
         raise ValueError(f'mesh {mesh_x}x{mesh_y} does not hold the {num_replicas} replicas')
-    rows, columns = mesh_groups(mesh_shape)
+    rows, columns = mesh_groups(mesh_shape, replica_order)
     sum_dtype = dtype or values[0].dtype
     sizes = [int(math.prod(v.shape)) for v in values]
     results = [None] * len(values)

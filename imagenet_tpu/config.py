@@ -43,6 +43,28 @@ def parse_mesh_shape(text: Optional[str]) -> Optional[Tuple[int, int]]:
     return x, y
 
 
+# TPU slice names: cores in the name for v2, v3, v4 and v5p (2 TensorCores per chip; v4 and v5p show a chip as one
+# device), chips for v5e and v6e (one core each). Hosts hold 4 chips (v2, v3: 8 cores; v4, v5p: 4 chips); v5e and
+# v6e slices of up to 8 chips are one host, larger ones 4 chips per host. (Cloud TPU's system architecture pages.)
+TPU_GENERATIONS = {'v2': ('cores', 2, 4), 'v3': ('cores', 2, 4), 'v4': ('cores', 2, 4), 'v5p': ('cores', 2, 4),
+                   'v5e': ('chips', 1, 4), 'v5litepod': ('chips', 1, 4), 'v6e': ('chips', 1, 4)}
+
+
+def tpu_slice(name: str) -> Tuple[str, int, int]:
+    """'v3-1024' -> ('v3', 512 chips, 128 hosts). ConfigError for a name it does not know."""
+    generation, _, count = name.strip().lower().partition('-')
+    if generation not in TPU_GENERATIONS or not count.isdigit() or int(count) < 1:
+        raise ConfigError(f'--topology must name a TPU slice such as v3-1024 or v4-128 (generations: '
+                          f'{", ".join(TPU_GENERATIONS)}), got {name!r}')
+    unit, cores_per_chip, chips_per_host = TPU_GENERATIONS[generation]
+    chips = int(count) // cores_per_chip if unit == 'cores' else int(count)
+    if chips < 1 or (unit == 'cores' and int(count) % cores_per_chip):
+        raise ConfigError(f'--topology={name}: {generation} slices are named by cores, {cores_per_chip} per chip')
+    single_host_chips = 8 if unit == 'chips' else chips_per_host
+    hosts = 1 if chips <= single_host_chips else -(-chips // chips_per_host)
+    return generation, chips, hosts
+
+
 def parse_floats(items) -> Tuple[float, ...]:
     """['30', '60'] or '30,60' -> (30.0, 60.0)."""
     if isinstance(items, str):
@@ -201,7 +223,10 @@ class Config:
     cpu_devices_per_worker: int = distribution(
         1, "Logical CPU devices (replicas) of each worker of --strategy=multi_worker on machines without GPUs: "
         "several workers on one machine then stand for a pod of several accelerators per host.", minimum=1)
-    tpu: str = distribution('', "TPU name, or 'local' on a TPU VM.")
+    tpu: str = distribution('', "TPU name, or 'local' on a TPU VM (one host: a pod slice must be named).")
+    topology: str = distribution('', 'TPU slice the run is written for (v3-1024, v4-128, v5litepod-256, ...): a TPU '
+                                     'that shows fewer hosts stops the run at start, and --tpu=local is refused '
+                                     'for a slice of several hosts.')
 
     # Run.
     model_dir: Optional[str] = run(None, 'Checkpoints, TensorBoard logs and results.json; a run restarted with the '
@@ -240,6 +265,19 @@ class Config:
             raise ConfigError(f'random_crop_min_area must be in (0, 1], got {self.random_crop_min_area}')
         if not 0 <= self.label_smoothing < 1:
             raise ConfigError(f'label_smoothing must be in [0, 1), got {self.label_smoothing}')
+        if self.strategy == 'tpu' and self.precision == 'mixed_float16':
+            raise ConfigError('--precision=mixed_float16 needs loss scaling, which TPUStrategy does not support '
+                              '(tf_keras refuses it at the first step): use --precision=mixed_bfloat16 on TPU')
+        if self.topology:
+            tpu_slice(self.topology)
+        if self.topology and self.strategy == 'tpu' and self.tpu == 'local' and self.topology_hosts > 1:
+            raise ConfigError(f'--topology={self.topology} spans {self.topology_hosts} hosts but --tpu=local sees '
+                              'only this host: name the pod slice with --tpu=NAME')
+
+    @property
+    def topology_hosts(self) -> int:
+        """Hosts of the --topology slice (0 when none is set)."""
+        return tpu_slice(self.topology)[2] if self.topology else 0
 
     @property
     def eval_crop(self) -> float:

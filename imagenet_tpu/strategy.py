@@ -6,8 +6,10 @@ initializes its devices, so ``use_logical_cpus`` is called first thing in a proc
 
 import tensorflow as tf
 
-from imagenet_tpu import collectives
+from imagenet_tpu import collectives, tpu_mesh
 from imagenet_tpu.errors import ConfigError
+
+is_tpu_strategy = collectives.is_tpu_strategy
 
 
 def use_logical_cpus(count: int) -> None:
@@ -57,7 +59,7 @@ def cpu_strategy(count: int) -> tf.distribute.MirroredStrategy:
     return mirrored_strategy(devices[:count], tf.distribute.ReductionToOneDevice())
 
 
-_TPU_TOPOLOGY = {}
+_TPU_PLACEMENT = {}     # id(strategy) -> tpu_mesh.Placement of its replicas
 
 
 def tpu_unreachable_message(tpu: str, error: BaseException) -> str:
@@ -74,31 +76,81 @@ def tpu_unreachable_message(tpu: str, error: BaseException) -> str:
     return f"cannot start the TPU system for --tpu={tpu} ({cause}; or run on CPUs with --strategy=cpu): {detail}"
 
 
-def _tpu_strategy(tpu: str) -> tf.distribute.Strategy:
+def tpu_device_assignment(topology: tf.tpu.experimental.Topology):
+    """(DeviceAssignment, Placement) of a slice: one replica per TPU device, in TPUStrategy's own order (host by
+    host, tpu_mesh's docstring says why), made explicit so that the placement the groups are computed from is
+    the one that runs. (None, None) for a slice whose chips do not fill a box (a degraded slice): TensorFlow's
+    default order then, and no mesh."""
+    try:
+        placement = tpu_mesh.Placement.from_topology(topology.device_coordinates)
+    except ValueError:
+        return None, None
+    assignment = tf.tpu.experimental.DeviceAssignment(
+        topology, placement.core_assignment(topology.device_coordinates))
+    return assignment, placement
+
+
+def _tpu_strategy(tpu: str, hosts: int = 0) -> tf.distribute.Strategy:
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
         tf.config.experimental_connect_to_cluster(resolver)
         topology = tf.tpu.experimental.initialize_tpu_system(resolver)
     except (tf.errors.OpError, OSError, ValueError, RuntimeError) as error:
         raise ConfigError(tpu_unreachable_message(tpu, error)) from None
-    strategy = tf.distribute.TPUStrategy(resolver)
-    _TPU_TOPOLOGY[id(strategy)] = topology
+    check_tpu_hosts(topology.num_tasks, hosts, tpu)
+    assignment, placement = tpu_device_assignment(topology)
+    strategy = tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)
+    if placement is not None:
+        _TPU_PLACEMENT[id(strategy)] = placement
     return strategy
+
+
+def check_tpu_hosts(seen: int, expected: int, tpu: str) -> None:
+    """ConfigError when the TPU system shows fewer hosts than the recipe's slice has (``expected``, 0: any)."""
+    if expected and seen < expected:
+        raise ConfigError(f'--tpu={tpu} shows {seen} TPU host{"s" if seen != 1 else ""} but --topology implies '
+                          f'{expected}: name the pod slice with --tpu=NAME (local sees one host only)')
+
+
+def tpu_placement(strategy: tf.distribute.Strategy):
+    """The tpu_mesh.Placement of a TPU strategy made here (None for other strategies)."""
+    return _TPU_PLACEMENT.get(id(strategy))
+
+
+def replica_order(strategy: tf.distribute.Strategy):
+    """The replica at each mesh index (collectives.py), or None where replica r sits at mesh index r."""
+    placement = tpu_placement(strategy)
+    return placement.replica_order if placement is not None else None
+
+
+def check_mesh(strategy: tf.distribute.Strategy, mesh_shape=None, cores_per_chip: int = 2) -> None:
+    """On a TPU slice, --mesh_shape must be its torus (X, Y * Z chips) and --cores_per_chip its devices per chip:
+    tiles of another mesh are not neighbouring chips."""
+    placement = tpu_placement(strategy)
+    if placement is None:
+        return
+    if mesh_shape and tuple(mesh_shape) != placement.chip_mesh:
+        x, y, z = placement.chips
+        raise ConfigError(f'--mesh_shape={mesh_shape[0]}x{mesh_shape[1]} but this slice is {x}x{y}x{z} chips: use '
+                          f'--mesh_shape={x}x{y * z}')
+    if mesh_shape and cores_per_chip != placement.replicas_per_chip:
+        raise ConfigError(f'--cores_per_chip={cores_per_chip} but this slice has {placement.replicas_per_chip} '
+                          f'TPU device(s) per chip: use --cores_per_chip={placement.replicas_per_chip}')
 
 
 def replica_mesh_shape(strategy: tf.distribute.Strategy, mesh_shape=None, cores_per_chip: int = 2):
     """(X, Y) replicas of the mesh that all_reduce_2d uses.
 
     From ``mesh_shape`` (X, Y chips) when given: (X * cores_per_chip, Y), a row being one row of chips with each
-    chip's cores side by side. Else, on TPU, from the topology the TPU system reported (its mesh is
-    [x, y, z, cores per chip]); else the most square factorization of the replica count.
+    chip's cores side by side. Else, on TPU, the slice's torus (tpu_mesh.Placement.replica_mesh: X * devices per
+    chip, Y * Z); else the most square factorization of the replica count.
     """
     num_replicas = strategy.num_replicas_in_sync
+    check_mesh(strategy, mesh_shape, cores_per_chip)
     if mesh_shape:
         shape = (mesh_shape[0] * cores_per_chip, mesh_shape[1])
-    elif id(strategy) in _TPU_TOPOLOGY:
-        x, y, z, cores = _TPU_TOPOLOGY[id(strategy)].mesh_shape
-        shape = (x * cores, y * z)
+    elif tpu_placement(strategy) is not None:
+        shape = tpu_placement(strategy).replica_mesh
     else:
         shape = collectives.default_mesh_shape(num_replicas)
     if shape[0] * shape[1] != num_replicas:
@@ -133,12 +185,13 @@ def multi_worker_strategy(cpu_devices_per_worker: int = 1) -> tf.distribute.Mult
 
 
 def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
-                  cpu_devices_per_worker: int = 1) -> tf.distribute.Strategy:
+                  cpu_devices_per_worker: int = 1, tpu_hosts: int = 0) -> tf.distribute.Strategy:
     """The strategy named by ``kind``.
 
     'cpu': MirroredStrategy over ``num_cpu_devices`` logical CPU devices (development and tests);
     'mirrored': MirroredStrategy over the local GPUs; 'multi_worker': MultiWorkerMirroredStrategy from TF_CONFIG
-    (multi_worker_strategy); 'tpu': TPUStrategy for ``tpu`` (a name or 'local'); 'default': no distribution.
+    (multi_worker_strategy); 'tpu': TPUStrategy for ``tpu`` (a name or 'local'), replicas placed as tpu_mesh
+    says, refused when it shows fewer hosts than ``tpu_hosts``; 'default': no distribution.
     """
     if kind == 'cpu':
         return cpu_strategy(num_cpu_devices)
@@ -151,7 +204,7 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
     if kind == 'tpu':
         if not tpu:
             raise ConfigError("strategy 'tpu' needs --tpu=NAME (or 'local' on a TPU VM)")
-        return _tpu_strategy(tpu)
+        return _tpu_strategy(tpu, tpu_hosts)
     if kind == 'default':
         return tf.distribute.get_strategy()
     raise ConfigError(f'unknown strategy {kind!r}')
@@ -160,8 +213,41 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
 def num_input_pipelines(strategy: tf.distribute.Strategy) -> int:
     """Input pipelines distribute_datasets_from_function makes: one per host (TPU) or worker (multi-worker)."""
     extended = strategy.extended
-    if isinstance(strategy, tf.distribute.TPUStrategy):
+    if is_tpu_strategy(strategy):
         return extended.num_hosts
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return extended._num_workers  # pylint: disable=protected-access  (no public count in TF 2.20)
     return 1
+
+
+def replica_devices(strategy: tf.distribute.Strategy) -> tuple:
+    """This process's replica devices (TensorFlow names); () for the default strategy (the default device)."""
+    try:
+        return tuple(strategy.extended.worker_devices)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return ()
+
+
+def _device_type(device: str) -> str:
+    return (tf.DeviceSpec.from_string(device).device_type or '').upper()
+
+
+def xla_by_default(strategy: tf.distribute.Strategy) -> bool:
+    """Whether the train step is XLA-compiled by default: where every replica of this process is a GPU (without a
+    strategy: where a GPU is visible). TPUs compile everything anyway, and on CPUs XLA's gain is small."""
+    devices = replica_devices(strategy)
+    if not devices:
+        return bool(tf.config.list_physical_devices('GPU'))
+    return all(_device_type(device) == 'GPU' for device in devices)
+
+
+def check_jit_compile(strategy: tf.distribute.Strategy) -> None:
+    """ConfigError for --jit_compile under a strategy of several local CPU replicas: TF 2.20 wraps one XLA program
+    around every replica's variables there, and the first step fails ("Trying to access resource
+    .../replica_1 ... located in device CPU:1 from device CPU:0")."""
+    devices = replica_devices(strategy)
+    if is_tpu_strategy(strategy) or len(devices) < 2:
+        return
+    if any(_device_type(device) != 'GPU' for device in devices):
+        raise ConfigError(f'--jit_compile does not work with {len(devices)} CPU replicas in one process (XLA '
+                          'mixes the replicas\' devices); use --nojit_compile, or --num_cpu_devices=1')

@@ -7,6 +7,7 @@ step is classifier.py's, checkpoints and resuming checkpointing.py's, the callba
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -36,18 +37,20 @@ def prepare_process(config: Config) -> None:
 def build_strategy(config: Config) -> tf.distribute.Strategy:
     """The configured strategy (strategy.make_strategy)."""
     return strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices, tpu=config.tpu,
-                                      cpu_devices_per_worker=config.cpu_devices_per_worker)
+                                      cpu_devices_per_worker=config.cpu_devices_per_worker,
+                                      tpu_hosts=config.topology_hosts)
 
 
-def build_network(config: Config, num_replicas: int = 1) -> keras.Model:
-    """The plain Keras ResNet: images -> logits, with batch norm as configured for ``num_replicas`` replicas.
+def build_network(config: Config, num_replicas: int = 1, replica_order=None) -> keras.Model:
+    """The plain Keras ResNet: images -> logits, with batch norm as configured for ``num_replicas`` replicas
+    (``replica_order``: the replica at each mesh index, strategy.replica_order; None: replica r at index r).
 
     Per-replica batch norm with moving averages is Keras's layer (batch_norm.BatchNormalization, with faster
     kernels on CPU); replica groups, and the Akiba et al. or re-estimated inference statistics, use
     batch_norm.GroupBatchNormalization.
     """
     with mixed_precision_policy(config.precision):
-        return _build_network(config, num_replicas)
+        return _build_network(config, num_replicas, replica_order)
 
 
 @contextlib.contextmanager
@@ -62,7 +65,7 @@ def mixed_precision_policy(name: str):
         keras.mixed_precision.set_global_policy(previous)
 
 
-def _build_network(config: Config, num_replicas: int) -> keras.Model:
+def _build_network(config: Config, num_replicas: int, replica_order=None) -> keras.Model:
     if config.norm == 'none':
         norm = resnet.no_norm_factory
     else:
@@ -72,10 +75,23 @@ def _build_network(config: Config, num_replicas: int) -> keras.Model:
         else:
             norm = batch_norm.group_batch_norm_factory(
                 group_size, config.bn_momentum, config.bn_epsilon, config.bn_inference_statistics,
-                config.mesh_shape, config.cores_per_chip)
+                config.mesh_shape, config.cores_per_chip, replica_order)
     return resnet.resnet(config.depth, config.num_classes, image_size=config.image_size, norm=norm,
                          space_to_depth=config.space_to_depth,
                          tune_convolutions=None if config.tune_convolutions else False)
+
+
+def build_export_network(config: Config, network: keras.Model) -> keras.Model:
+    """``network``'s twin built outside any strategy, holding its trained values, for export.
+
+    Exported from the distributed network itself, each moving statistic would be read in the SavedModel as a mean
+    over per-replica reads pinned to the training devices (~2 x 53 x replicas reads, served elsewhere only by soft
+    placement). The twin has one replica's layers (per-replica batch norm at inference is the same function of
+    the same variables); ``get_weights`` reads each synchronized-on-read statistic as its mean over the replicas,
+    the value a checkpoint holds. Call outside ``strategy.scope()``."""
+    twin = build_network(dataclasses.replace(config, bn_group_size=1, bn_span=None), 1)
+    twin.set_weights(network.get_weights())
+    return twin
 
 
 def build_learning_rate(config: Config) -> keras.optimizers.schedules.LearningRateSchedule:
@@ -149,13 +165,15 @@ def build_gradient_all_reduce(config: Config, strategy: tf.distribute.Strategy):
     mesh = strategy_lib.replica_mesh_shape(strategy, config.mesh_shape, config.cores_per_chip)
     dtype = tf.bfloat16 if config.allreduce_dtype == 'bfloat16' else None
     bucket_bytes = int(config.allreduce_bucket_mb * 2 ** 20)
-    return lambda gradients: collectives.all_reduce_2d(gradients, mesh, bucket_bytes=bucket_bytes, dtype=dtype)
+    order = strategy_lib.replica_order(strategy)
+    return lambda gradients: collectives.all_reduce_2d(gradients, mesh, bucket_bytes=bucket_bytes, dtype=dtype,
+                                                       replica_order=order)
 
 
 def build_classifier(config: Config) -> classifier_lib.Classifier:
     """Network and optimizer, compiled; call inside ``strategy.scope()`` (replicas and mesh come from it)."""
     strategy = tf.distribute.get_strategy()
-    network = build_network(config, strategy.num_replicas_in_sync)
+    network = build_network(config, strategy.num_replicas_in_sync, strategy_lib.replica_order(strategy))
     classifier = classifier_lib.Classifier(network, global_batch_size=config.global_batch_size,
                                            weight_decay=loss_weight_decay(config),
                                            decayed=loss_decayed_variables(config, network),
@@ -163,7 +181,7 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
                                            gradient_all_reduce=build_gradient_all_reduce(config, strategy))
     # weighted_metrics=[]: Classifier.test_step weights its own metrics (padding has weight 0); without it Keras
     # warns at every evaluation that weights came without compiled weighted metrics.
-    classifier.compile(optimizer=build_optimizer(config), jit_compile=use_jit(config),
+    classifier.compile(optimizer=build_optimizer(config), jit_compile=use_jit(config, strategy),
                        steps_per_execution=steps_per_execution(config, strategy), weighted_metrics=[])
     # Create the optimizer's slots now, so a checkpoint restores into existing variables.
     classifier.optimizer.build(classifier.network.trainable_variables)
@@ -181,12 +199,14 @@ def tune_convolutions(network: keras.Model, config: Config, num_replicas: int, p
                  f"TensorFlow's convolution op ({time.perf_counter() - started:.1f} s)")
 
 
-def use_jit(config: Config) -> bool:
-    """XLA for the train step: as configured, else on where GPUs are visible (TPUs compile everything anyway;
-    on CPUs XLA's gain is small and its compile time is not)."""
+def use_jit(config: Config, strategy: tf.distribute.Strategy) -> bool:
+    """XLA for the train step: as configured (refused under several CPU replicas of one process), else on where
+    every replica is a GPU (strategy.xla_by_default)."""
     if config.jit_compile is not None:
+        if config.jit_compile:
+            strategy_lib.check_jit_compile(strategy)
         return config.jit_compile
-    return bool(tf.config.list_physical_devices('GPU'))
+    return strategy_lib.xla_by_default(strategy)
 
 
 def steps_per_execution(config: Config, strategy: tf.distribute.Strategy) -> int:
@@ -194,7 +214,7 @@ def steps_per_execution(config: Config, strategy: tf.distribute.Strategy) -> int
     epoch, and 1 elsewhere."""
     if config.steps_per_execution:
         return config.steps_per_execution
-    if isinstance(strategy, tf.distribute.TPUStrategy):
+    if strategy_lib.is_tpu_strategy(strategy):
         return min(100, config.steps_per_epoch)
     return 1
 
@@ -380,6 +400,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     if config.model_dir:
         checkpointing.prepare_model_dir(config, chief)
     check_replicas(config, strategy.num_replicas_in_sync)
+    strategy_lib.check_mesh(strategy, config.mesh_shape, config.cores_per_chip)
     with strategy.scope():
         classifier = build_classifier(config)
     tune_convolutions(classifier.network, config, strategy.num_replicas_in_sync, print_fn)
@@ -402,7 +423,7 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     if config.model_dir and chief and config.export_saved_model:
         path = os.path.join(config.model_dir, 'saved_model')
         names, _ = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
-        export.export_saved_model(classifier.network, path, config, names)
+        export.export_saved_model(build_export_network(config, classifier.network), path, config, names)
         print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
     if config.model_dir and chief:

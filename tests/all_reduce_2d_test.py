@@ -20,8 +20,9 @@ class AllReduce2DTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters(
         ((1, 8), tf.float32), ((2, 4), tf.float32), ((4, 2), tf.float32), ((8, 1), tf.float32),
         ((2, 4), tf.bfloat16), ((8, 1), tf.bfloat16),
+        ((2, 4), tf.float32, (3, 0, 6, 5, 1, 7, 2, 4)), ((4, 2), tf.float32, (7, 6, 5, 4, 3, 2, 1, 0)),
     )
-    def test_equals_plain_sum(self, mesh, dtype):
+    def test_equals_plain_sum(self, mesh, dtype, replica_order=None):
         strategy = helpers.mirrored(8)
         rng = np.random.default_rng(sum(mesh))
         values = [rng.normal(size=(8,) + shape).astype(np.float32) for shape in SHAPES]
@@ -32,7 +33,7 @@ class AllReduce2DTest(tf.test.TestCase, parameterized.TestCase):
                 replica = tf.distribute.get_replica_context().replica_id_in_sync_group
                 mine = [tf.cast(tf.gather(tf.constant(v), replica), dtype) for v in values]
                 # A 64-byte bucket size forces several buckets.
-                return collectives.all_reduce_2d(mine, mesh, bucket_bytes=64)
+                return collectives.all_reduce_2d(mine, mesh, bucket_bytes=64, replica_order=replica_order)
             return strategy.run(replica_fn)
 
         summed = run()
@@ -50,6 +51,9 @@ class AllReduce2DTest(tf.test.TestCase, parameterized.TestCase):
         rows, columns = collectives.mesh_groups((4, 2))
         self.assertEqual(rows, [[0, 1, 2, 3], [4, 5, 6, 7]])
         self.assertEqual(columns, [[0, 4], [1, 5], [2, 6], [3, 7]])
+        rows, columns = collectives.mesh_groups((4, 2), replica_order=(3, 0, 6, 5, 1, 7, 2, 4))
+        self.assertEqual(rows, [[3, 0, 6, 5], [1, 7, 2, 4]])
+        self.assertEqual(columns, [[3, 1], [0, 7], [6, 2], [5, 4]])
 
     def test_wrong_mesh_is_refused(self):
         strategy = helpers.mirrored(8)

@@ -44,8 +44,14 @@ class GroupAssignmentTest(tf.test.TestCase, parameterized.TestCase):
     def test_bad_groups_are_refused(self):
         with self.assertRaisesRegex(ValueError, 'group size 3 does not divide the 8 replicas'):
             collectives.group_assignment(8, 3)
-        with self.assertRaisesRegex(ValueError, 'tiles do not divide'):
-            collectives.group_assignment(24, 8, mesh_shape=(3, 4))
+        with self.assertRaisesRegex(ValueError, 'mesh 3x2 chips x 2 cores is not 8 replicas'):
+            collectives.group_assignment(8, 4, mesh_shape=(3, 2))
+
+    def test_tiles_fit_the_mesh_they_are_laid_on(self):
+        # The MLPerf shape where it divides the mesh, else the nearest shape that does (a v4 torus 2 chips wide).
+        self.assertEqual(collectives.tile_shape(16, 1, mesh_shape=(16, 16)), (4, 4))
+        self.assertEqual(collectives.tile_shape(16, 1, mesh_shape=(2, 16)), (2, 8))
+        self.assertEqual(collectives.tile_shape(8, 2, mesh_shape=(3, 4)), (1, 4))
 
 
 class GroupedAllReduceTest(tf.test.TestCase, parameterized.TestCase):
@@ -81,6 +87,24 @@ class GroupedAllReduceTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertAllClose(summed[replica], values[group].sum(0), rtol=1e-6)
                 # d/dx_r of sum_s (sum_{t in group(s)} x_t) . w_s = sum of w over r's group.
                 self.assertAllClose(gradient[replica], weights[group].sum(0), rtol=1e-6)
+
+    def test_groups_follow_the_replica_order(self):
+        # On a 2x2-chip mesh of 2 cores, a 4-replica tile is 1x2 chips: mesh indexes {0, 1, 4, 5} and {2, 3, 6, 7}.
+        # With replica_order (the replica at each mesh index) (0, 2, 4, 6, 1, 3, 5, 7) those places hold replicas
+        # {0, 2, 1, 3} and {4, 6, 5, 7}: the sums must be over these.
+        strategy = helpers.mirrored(8)
+        order = (0, 2, 4, 6, 1, 3, 5, 7)
+        values = np.random.default_rng(5).normal(size=(8, 3)).astype(np.float32)
+        per_replica = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(values[ctx.replica_id_in_sync_group]))
+        summed = strategy.run(lambda v: collectives.grouped_all_reduce(v, 4, (2, 2), 2, replica_order=order),
+                              args=(per_replica,))
+        summed = np.stack([t.numpy() for t in strategy.experimental_local_results(summed)])
+        for group in ([0, 1, 2, 3], [4, 5, 6, 7]):
+            for replica in group:
+                self.assertAllClose(summed[replica], values[group].sum(0), rtol=1e-6)
+        self.assertEqual(collectives.group_assignment(8, 4, (2, 2), 2, order), [[0, 1, 2, 3], [4, 5, 6, 7]])
+        self.assertEqual(collectives.group_assignment(8, 4, (2, 2), 2), [[0, 1, 4, 5], [2, 3, 6, 7]])
 
     def test_outside_a_strategy_is_identity(self):
         self.assertAllClose(collectives.grouped_all_reduce(tf.constant([1.0, 2.0]), 4), [1.0, 2.0])

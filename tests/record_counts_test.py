@@ -4,6 +4,7 @@ stale and wrong entries, and a resumed stream that reads only where it resumes."
 import dataclasses
 import os
 import shutil
+import threading
 import time
 from unittest import mock
 
@@ -116,3 +117,125 @@ class RecordCountsTest(tf.test.TestCase):
         fresh, resumed = first_batch_bytes(0), first_batch_bytes(40)   # step 40: record 320 of 384
         self.assertLess(resumed, total / 3, f'{resumed} of {total} bytes read')
         self.assertLess(resumed, 2 * fresh + 100_000, f'fresh {fresh}, resumed {resumed}')
+
+
+class _CountingGFile(tf.io.gfile.GFile):
+    """tf.io.gfile.GFile that records its seeks and reads (class-wide, as the scanner opens its own)."""
+    seeks, reads = [], []
+
+    def seek(self, *args, **kwargs):
+        _CountingGFile.seeks.append(args)
+        return super().seek(*args, **kwargs)
+
+    def read(self, n=-1):
+        content = super().read(n)
+        _CountingGFile.reads.append((n, len(content)))
+        return content
+
+
+class RemoteRecordCountsTest(tf.test.TestCase):
+    """Files on a non-local file system (TensorFlow's in-memory ram://): read in order in blocks, in parallel."""
+
+    def setUp(self):
+        super().setUp()
+        self.root = f'ram://record_counts_test/{self.id().rsplit(".", 1)[-1]}'
+        tf.io.gfile.makedirs(self.root)
+        self.addCleanup(tf.io.gfile.rmtree, self.root)
+
+    def _write(self, name: str, lengths) -> str:
+        path = f'{self.root}/{name}'
+        with tf.io.TFRecordWriter(path) as writer:
+            for number, length in enumerate(lengths):
+                writer.write(bytes([number % 256]) * length)
+        return path
+
+    def _copy(self, path: str, name: str, end: int) -> str:
+        """A copy of the first ``end`` bytes of ``path``."""
+        with tf.io.gfile.GFile(path, 'rb') as f:
+            content = f.read()
+        copy = f'{self.root}/{name}'
+        with tf.io.gfile.GFile(copy, 'wb') as f:
+            f.write(content[:end])
+        return copy
+
+    def test_counts_agree_with_the_reader_for_records_larger_and_smaller_than_a_block(self):
+        # Block sizes from 1 byte (every length field split) to more than the file, records from empty to
+        # several blocks long, so that length fields and data straddle block boundaries at many offsets.
+        lengths = [0, 1, 5, 80, 100, 250, 3, 1000, 0, 84, 85, 99, 7, 400, 2]
+        path = self._write('mixed', lengths)
+        self.assertEqual(_records_read(path), len(lengths))
+        for block_bytes in (1, 7, 16, 100, 101, 4096, record_counts.BLOCK_BYTES):
+            self.assertEqual(record_counts.scan_file(path, block_bytes), (len(lengths), True), block_bytes)
+        self.assertEqual(record_counts.count_file(path), len(lengths))
+        big = self._write('big', [300_000, 5, 200_000])     # records of several 100 KB blocks
+        self.assertEqual(record_counts.scan_file(big, 100_000), (3, True))
+
+    def test_a_file_cut_mid_record_counts_its_whole_records_and_an_empty_file_none(self):
+        lengths = [30, 120, 0, 60, 250, 10]
+        path = self._write('whole', lengths)
+        size = tf.io.gfile.stat(path).length
+        boundaries = {0}                        # where a record ends
+        for length in lengths:
+            boundaries.add(max(boundaries) + record_counts.FRAME_BYTES + length)
+        ends = [0, 3, 8, 12, 15, 16, 17, 40, 46, 47, 100, size - 27, size - 26, size - 20, size - 4, size - 1]
+        for end in ends:
+            cut = self._copy(path, f'cut-{end}', end)
+            expected = (_records_read(cut), end in boundaries)
+            for block_bytes in (1, 10, 100, record_counts.BLOCK_BYTES):
+                self.assertEqual(record_counts.scan_file(cut, block_bytes), expected, (end, block_bytes))
+            # The same bytes on a local disk, counted by seeking to the length fields, agree.
+            local = os.path.join(self.get_temp_dir(), 'cut')
+            tf.io.gfile.copy(cut, local, overwrite=True)
+            self.assertEqual(record_counts.scan_file(local), expected, end)
+        self.assertEqual(record_counts.scan_file(self._copy(path, 'empty', 0)), (0, True))
+
+    def test_a_remote_file_is_read_once_in_order_in_blocks_without_seeking(self):
+        # Before, counting seeked to every record's length field: a refill of GFile's 512 KiB buffer each.
+        path = self._write('shard', [1000] * 200)
+        size = tf.io.gfile.stat(path).length
+        _CountingGFile.seeks, _CountingGFile.reads = [], []
+        with mock.patch.object(tf.io.gfile, 'GFile', _CountingGFile):
+            self.assertEqual(record_counts.scan_file(path), (200, True))
+        self.assertEqual(_CountingGFile.seeks, [])
+        self.assertEqual(_CountingGFile.reads, [(size, size)])     # one read of the whole file
+        _CountingGFile.reads = []
+        with mock.patch.object(tf.io.gfile, 'GFile', _CountingGFile):
+            self.assertEqual(record_counts.scan_file(path, 4096), (200, True))
+        self.assertEqual(_CountingGFile.seeks, [])
+        self.assertEqual(sum(read for _, read in _CountingGFile.reads), size)    # every byte once
+        self.assertEqual([requested for requested, _ in _CountingGFile.reads],
+                         [4096] * (size // 4096) + [size % 4096])
+
+    def test_lookup_counts_remote_files_in_parallel_in_their_order(self):
+        num_files = 12
+        paths = [self._write(f'train-{index:05d}-of-{num_files:05d}', [50 + index] * (index + 1))
+                 for index in range(num_files)]
+        sizes = [tf.io.gfile.stat(path).length for path in paths]
+        count_file = record_counts.count_file
+        lock, running, most = threading.Lock(), [0], [0]
+
+        def slow_count(path):                    # the first files finish last
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.02 * (num_files - paths.index(path)))
+            try:
+                return count_file(path)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        model_dir = f'{self.root}/model'
+        with mock.patch.object(record_counts, 'count_file', side_effect=slow_count) as count:
+            counts = record_counts.lookup(paths, sizes, self.root, model_dir, print)
+        self.assertEqual(counts, list(range(1, num_files + 1)))
+        self.assertEqual(sorted(call.args[0] for call in count.call_args_list), paths)
+        self.assertGreater(most[0], 1)
+        self.assertEqual(record_counts.read(record_counts.path_in(model_dir)),
+                         {path: (index + 1, size) for index, (path, size) in enumerate(zip(paths, sizes))})
+        written = record_counts.read(record_counts.write_beside(self.root))
+        self.assertEqual(written, {os.path.basename(path): (index + 1, size)
+                                   for index, (path, size) in enumerate(zip(paths, sizes))})
+        with self.assertRaises(tf.errors.NotFoundError):
+            record_counts.count_files(paths + [f'{self.root}/missing'])
+        self.assertEqual(record_counts.count_files(paths[:3], workers=1), [1, 2, 3])

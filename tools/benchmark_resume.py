@@ -12,13 +12,25 @@ needs (input_pipeline.train_dataset with start_step > 0):
   file     record_counts.txt beside the shards (what the converter and the data tools write).
 and then the time to the first batch of the stream resumed at --resume_step, with the counts file present.
 Each figure is a median over rounds, with the bytes the process read for it (/proc/self/io rchar, Linux).
+
+Then counting on a non-local file system: --num_shards shards of --remote_records_per_shard records of
+--remote_record_bytes (ImageNet's ~110 KB) in --remote_dir (TensorFlow's in-memory ram://), counted
+  remote_seek      as record_counts did before: one file after another, seeking through tf.io.gfile.GFile to
+                   each record's length field (old_scan_file below, kept here only as the baseline);
+  remote_blocks    record_counts.scan_file one file after another: each read once in order, in large blocks;
+  remote_parallel  record_counts.count_files: the same, many files at once (what lookup does);
+  remote_seek_parallel  the old way, as many files at once (which of the two changes the gain comes from).
+ram:// has no latency: this measures the CPU of the copying and the calls, not the waiting on requests that
+makes a remote store slow (and that counting many files at once overlaps). --local=false times this part only.
 The last line is one JSON object with every figure.
 """
 
+import concurrent.futures
 import json
 import os
 import shutil
 import statistics
+import struct
 import sys
 import time
 
@@ -40,6 +52,10 @@ _NUM_SHARDS = flags.DEFINE_integer('num_shards', 1024, 'Training shards.')
 _RECORDS = flags.DEFINE_integer('records_per_shard', 64, 'Records per shard.')
 _RESUME_STEP = flags.DEFINE_integer('resume_step', 1000, 'The step the stream resumes at (batch 64).')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'Alternating rounds; figures are medians.')
+_LOCAL = flags.DEFINE_bool('local', True, 'Time the local split too (else the non-local counting only).')
+_REMOTE_DIR = flags.DEFINE_string('remote_dir', 'ram://resume_benchmark', 'The non-local split (written anew).')
+_REMOTE_RECORDS = flags.DEFINE_integer('remote_records_per_shard', 8, 'Records per non-local shard.')
+_REMOTE_RECORD_BYTES = flags.DEFINE_integer('remote_record_bytes', 110_000, 'Bytes of each non-local record.')
 
 
 def bytes_read() -> int:
@@ -70,15 +86,79 @@ def count_by_reading(paths: list) -> int:
     return int(records.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1))
 
 
-def main(argv):
-    del argv
-    print(runtime.describe(runtime.report()))
-    data_dir = _DATA_DIR.value
-    write_split(data_dir, _NUM_SHARDS.value, _RECORDS.value)
+def old_scan_file(path: str) -> tuple:
+    """record_counts.scan_file as it was, for a non-local file: seeks through tf.io.gfile.GFile to each record's
+    length field and reads its 8 bytes (GFile refills its 512 KiB buffer after a seek that leaves it)."""
+    size = tf.io.gfile.stat(path).length
+    count, offset = 0, 0
+    with tf.io.gfile.GFile(path, 'rb') as f:
+        while offset + record_counts.FRAME_BYTES <= size:
+            f.seek(offset)
+            header = f.read(8)
+            if len(header) < 8:
+                break
+            length, = struct.unpack('<Q', header)
+            if offset + record_counts.FRAME_BYTES + length > size:
+                break
+            offset += record_counts.FRAME_BYTES + length
+            count += 1
+    return count, offset == size
+
+
+def time_remote_counting(num_shards: int, records: int, record_bytes: int, rounds: int) -> dict:
+    """Seconds (medians over ``rounds``) to count ``num_shards`` non-local shards the old way and the new."""
+    remote_dir = _REMOTE_DIR.value
+    if tf.io.gfile.exists(remote_dir):
+        tf.io.gfile.rmtree(remote_dir)
+    tf.io.gfile.makedirs(remote_dir)
+    record = np.random.default_rng(0).integers(0, 256, record_bytes, dtype=np.uint8).tobytes()
+    paths = [f'{remote_dir}/{tfrecord.shard_name(tfrecord.TRAIN, shard, num_shards)}'
+             for shard in range(num_shards)]
+    started = time.perf_counter()
+    for path in paths:
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(records):
+                writer.write(record)
+    data_bytes = sum(tf.io.gfile.stat(path).length for path in paths)
+    print(f'wrote {num_shards} shards of {records} records of {record_bytes:,} bytes to {remote_dir} '
+          f'({data_bytes / 2 ** 20:.1f} MiB, {time.perf_counter() - started:.1f} s)', flush=True)
+    total = num_shards * records
+    candidates = {
+        'remote_seek': lambda: sum(old_scan_file(path)[0] for path in paths),
+        'remote_seek_parallel': lambda: sum(count for count, _ in pool.map(old_scan_file, paths)),
+        'remote_blocks': lambda: sum(record_counts.count_files(paths, workers=1)),
+        'remote_parallel': lambda: sum(record_counts.count_files(paths)),
+    }
+    timings = {name: [] for name in candidates}
+    with concurrent.futures.ThreadPoolExecutor(record_counts.REMOTE_WORKERS) as pool:
+        for round_number in range(rounds):
+            for name, run in candidates.items():
+                started = time.perf_counter()
+                assert run() == total, name
+                timings[name].append(time.perf_counter() - started)
+                print(f'round {round_number + 1}: {name:20s} {timings[name][-1]:8.3f} s', flush=True)
+    tf.io.gfile.rmtree(remote_dir)
+    result = {'remote_shards': num_shards, 'remote_records': total, 'remote_record_bytes': record_bytes,
+              'remote_data_mib': round(data_bytes / 2 ** 20, 1), 'remote_workers': record_counts.REMOTE_WORKERS}
+    for name in candidates:
+        result[f'{name}_seconds'] = round(statistics.median(timings[name]), 4)
+    seek, parallel = result['remote_seek_seconds'], result['remote_parallel_seconds']
+    result['remote_seek_over_parallel'] = round(seek / parallel, 2)
+    result['remote_seek_over_blocks'] = round(seek / result['remote_blocks_seconds'], 2)
+    print(f'counting {num_shards} shards on {remote_dir.split("://")[0]}://: old (seek per record, one file after '
+          f'another) {seek:.3f} s, new (blocks, {record_counts.REMOTE_WORKERS} files at once) {parallel:.3f} s: '
+          f'old / new = {seek / parallel:.2f}; blocks one file after another {result["remote_blocks_seconds"]:.3f} s, '
+          f'seek per record in parallel {result["remote_seek_parallel_seconds"]:.3f} s', flush=True)
+    return result
+
+
+def time_local(data_dir: str, num_shards: int, records: int, rounds: int) -> dict:
+    """The local split's figures (see the module's docstring)."""
+    write_split(data_dir, num_shards, records)
     paths = record_io.list_shards(data_dir, tfrecord.TRAIN)
     sizes = record_io.file_sizes(paths)
     counts_file = record_counts.path_in(data_dir)
-    total = _NUM_SHARDS.value * _RECORDS.value
+    total = num_shards * records
     config = Config(data_dir=data_dir, num_classes=10, label_offset=1, image_size=32, global_batch_size=64,
                     num_train_images=total, shuffle_buffer=1024, seed=0, deterministic=True)
 
@@ -99,7 +179,7 @@ def main(argv):
     candidates = {'reading': reading, 'walk': walk, 'file': from_file, 'first_batch': first_batch}
     timings = {name: [] for name in candidates}
     reads = {name: [] for name in candidates}
-    for round_number in range(_ROUNDS.value):
+    for round_number in range(rounds):
         for name, run in candidates.items():
             if name in ('file', 'first_batch') and not tf.io.gfile.exists(counts_file):
                 record_counts.write_beside(data_dir)
@@ -118,7 +198,18 @@ def main(argv):
     print(f'data: {len(paths)} shards, {total:,} records, {data_bytes / 2 ** 20:.1f} MiB; resume start-up = '
           'counts + first batch: ' + ', '.join(
               f'{name} {result[name + "_seconds"] + result["first_batch_seconds"]:.2f} s'
-              for name in ('reading', 'walk', 'file')))
+              for name in ('reading', 'walk', 'file')), flush=True)
+    return result
+
+
+def main(argv):
+    del argv
+    print(runtime.describe(runtime.report()))
+    result = {}
+    if _LOCAL.value:
+        result.update(time_local(_DATA_DIR.value, _NUM_SHARDS.value, _RECORDS.value, _ROUNDS.value))
+    result.update(time_remote_counting(_NUM_SHARDS.value, _REMOTE_RECORDS.value, _REMOTE_RECORD_BYTES.value,
+                                       _ROUNDS.value))
     print(json.dumps(result))
 
 
