@@ -17,10 +17,10 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 # ends with the held-out top-1 and writes runs/demo/metrics.png. A second run resumes (and finishes at once):
 # `make demo FRESH=1` starts over.
 demo: $(STAMP)
-	$(BIN)/python tools/make_demo_data.py --output_dir data/demo
+	$(BIN)/python tools/data/make_demo_data.py --output_dir data/demo
 	$(if $(FRESH),rm -rf runs/demo)
 	$(BIN)/imagenet-tpu-train --flagfile=flags/demo.cfg
-	$(BIN)/python tools/plot_metrics.py --model_dir runs/demo
+	$(BIN)/python tools/plots/plot_metrics.py --model_dir runs/demo
 
 # Two pytest processes (pytest-xdist), each test file in one of them: most of a test's time is tracing, which
 # runs on one core. TEST_JOBS=1 runs the suite in one process.
@@ -47,8 +47,8 @@ peer: $(PEER)/.installed
 
 # Our command line against tf-models-official's trainer, alternating, on ImageNet-like records (BUILD.md).
 benchmark-trainer: $(STAMP) $(PEER)/.installed
-	ls data/benchmark/validation-* >/dev/null 2>&1 || $(BIN)/python tools/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
-	$(BIN)/python tools/benchmark_trainer.py --data_dir data/benchmark --peer_python $(PEER)/bin/python
+	ls data/benchmark/validation-* >/dev/null 2>&1 || $(BIN)/python tools/data/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
+	$(BIN)/python tools/benchmarks/benchmark_trainer.py --data_dir data/benchmark --peer_python $(PEER)/bin/python
 
 clean:
 	rm -rf $(VENV) $(PEER) data/demo runs/demo

@@ -1,21 +1,28 @@
 """Config: every setting of a training run, as one frozen dataclass, and the one place each setting is written.
 
-Each field carries its default, help text, choices and unit (``setting``'s metadata). main.py turns every field
-into a command-line flag of the same name; __post_init__ checks choices and bounds from the same metadata. A
+Each field carries its default, help text, choices and unit (``setting``'s metadata). commands/common.py turns every
+field into a command-line flag of the same name; __post_init__ checks choices and bounds from the same metadata. A
 Python user builds a Config directly (``Config(data_dir=..., ...)``) or with ``dataclasses.replace``; the library
 reads settings only from here, never from flags. Adding a setting is one line below.
 """
 
 import dataclasses
+import json
 import typing
 from typing import Optional, Tuple
+from urllib.parse import urlparse
 
-from imagenet_tpu import data_service as data_service_lib
 from imagenet_tpu.errors import ConfigError
 
-__all__ = ['Config', 'ConfigError', 'SECTIONS', 'settings']
+__all__ = ['Config', 'ConfigError', 'SECTIONS', 'settings', 'RESNET_DEPTHS', 'RESIZE_METHODS',
+           'BN_INFERENCE_STATISTICS', 'SERVICE_MODES', 'tpu_slice']
 
 SECTIONS = ('data', 'model', 'optimization', 'distribution', 'run')
+
+# Value lists the lower layers check against (each written here once).
+RESNET_DEPTHS = (10, 18, 34, 50, 101, 152, 200)        # model/resnet.py's DEPTHS has one entry for each
+RESIZE_METHODS = ('bilinear', 'bicubic')                # data/preprocessing.py
+BN_INFERENCE_STATISTICS = ('moving_average', 'last_batch', 'reestimate')   # model/batch_norm.py
 
 
 def _section(name: str):
@@ -65,6 +72,22 @@ def tpu_slice(name: str) -> Tuple[str, int, int]:
     return generation, chips, hosts
 
 
+SERVICE_PROTOCOL = 'grpc'
+SERVICE_MODES = ('distributed_epoch', 'parallel_epochs')    # how a tf.data service shares the work (data/service.py)
+
+
+def parse_service_address(address: str) -> Tuple[str, int]:
+    """(host, port) of a tf.data service dispatcher's 'grpc://HOST:PORT'; ConfigError otherwise."""
+    parsed = urlparse(address)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if parsed.scheme != SERVICE_PROTOCOL or not parsed.hostname or not port or parsed.path not in ('', '/'):
+        raise ConfigError(f'--data_service must be grpc://HOST:PORT (the dispatcher), got {address!r}')
+    return parsed.hostname, port
+
+
 def parse_floats(items) -> Tuple[float, ...]:
     """['30', '60'] or '30,60' -> (30.0, 60.0)."""
     if isinstance(items, str):
@@ -101,7 +124,7 @@ class Config:
                                                   '(its CROP_PADDING is 32: 0.875 at 224, 0.8 at 128).',
                                             unit='pixels', minimum=0)
     resize_method: str = data('bilinear', 'Filter that resizes crops to image_size, in training and evaluation.',
-                              choices=('bilinear', 'bicubic'))
+                              choices=RESIZE_METHODS)
     random_flip: bool = data(True, 'Random left-right flips in training.')
     shuffle_buffer: int = data(10000, 'Records shuffled together: each input pipeline reads its files one after '
                                'another and shuffles each window of this many records in full, at most an eighth '
@@ -117,19 +140,19 @@ class Config:
                                     'sets only: about 500 KB per ImageNet image).',
                             choices=('none', 'records', 'images'))
     data_service: str = data('', 'tf.data service dispatcher (grpc://HOST:PORT) whose workers read, decode and batch '
-                                 'the training images (tools/run_data_service.py); empty: this process does. '
+                                 'the training images (tools/launch/run_data_service.py); empty: this process does. '
                                  'Evaluation stays local.')
     data_service_mode: str = data('distributed_epoch', 'How the service shares the work: distributed_epoch (files '
                                   'handed out to workers: every image once per epoch, no exact resume) or '
                                   'parallel_epochs (every worker runs the whole stream: exact with one worker).',
-                                  choices=data_service_lib.MODES)
+                                  choices=SERVICE_MODES)
     bad_records: str = data('skip', 'A record whose JPEG does not decode, that lacks a feature or has a label '
                                     'out of range, or a TFRecord file cut mid-record: skip and count it, or stop.',
                             choices=('skip', 'fatal'))
     prefetch_to_device: int = data(2, "Batches buffered on each replica's device.", unit='batches', minimum=0)
 
     # Model.
-    depth: int = model(50, 'ResNet depth.', choices=(10, 18, 34, 50, 101, 152, 200))
+    depth: int = model(50, 'ResNet depth.', choices=RESNET_DEPTHS)
     norm: str = model('batch_norm', 'Normalization layers.', choices=('batch_norm', 'none'))
     space_to_depth: bool = model(False, "MLPerf v0.7's TPU stem: 2x2 space-to-depth images and a masked 8x8 kernel "
                                         'folded to a 4x4 stride-1 convolution: the 7x7 stride-2 one, also after '
@@ -156,7 +179,7 @@ class Config:
         'moving_average', "Statistics used for evaluation and export: moving averages; 'last_batch' (Akiba et "
                           "al.: the last training batch's, over all replicas); 'reestimate' "
                           '(--bn_reestimate_batches training batches before each evaluation).',
-        choices=('moving_average', 'last_batch', 'reestimate'))
+        choices=BN_INFERENCE_STATISTICS)
     bn_reestimate_batches: int = model(10, "Training batches pooled by --bn_inference_statistics=reestimate.",
                                        unit='batches', minimum=1)
     mesh_shape: Optional[Tuple[int, int]] = model(
@@ -255,7 +278,7 @@ class Config:
         if not 0 < self.eval_crop_fraction <= 1:
             raise ConfigError(f'eval_crop_fraction must be in (0, 1], got {self.eval_crop_fraction}')
         if self.data_service:
-            data_service_lib.parse_address(self.data_service)
+            parse_service_address(self.data_service)
             if self.input_cache != 'none':
                 raise ConfigError('--input_cache keeps the set in this process; with --data_service the workers '
                                   'read it (use --input_cache=none)')
@@ -278,6 +301,20 @@ class Config:
     def topology_hosts(self) -> int:
         """Hosts of the --topology slice (0 when none is set)."""
         return tpu_slice(self.topology)[2] if self.topology else 0
+
+    def to_json(self) -> str:
+        """Every setting as a JSON object (model_dir/config.json: what the evaluation command starts from)."""
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str, overrides: Optional[dict] = None) -> 'Config':
+        """The Config of ``to_json``'s text, with ``overrides`` applied; settings this version does not know are
+        left out (a run written by an older or newer version still loads), lists become tuples again."""
+        values = json.loads(text)
+        kinds = {field.name: kind for field, kind in settings()}
+        values = {name: tuple(value) if isinstance(value, list) else value
+                  for name, value in values.items() if name in kinds}
+        return cls(**{**values, **(overrides or {})})
 
     @property
     def eval_crop(self) -> float:
@@ -343,7 +380,8 @@ class Config:
 
 
 def settings():
-    """(field, type without Optional) of every setting, in declaration order: what main.py makes flags from."""
+    """(field, type without Optional) of every setting, in declaration order: what commands/common.py makes flags
+    from."""
     hints = typing.get_type_hints(Config)
     result = []
     for field in dataclasses.fields(Config):

@@ -1,8 +1,8 @@
 """The ways a training run can fail, one type each, under one base class.
 
 A caller catches RunError for every failure the package reports, or one subclass for one kind. Each message is
-one line meant for the user (the command line prints it after ``error:``); main.EXIT_STATUS maps the types to
-exit statuses.
+one line meant for the user (the command line prints it after ``error:``); commands/common.py's EXIT_STATUS maps
+the types to exit statuses.
 """
 
 import re

@@ -1,57 +1,40 @@
-"""Evaluation of a run's checkpoints: top-1, top-5, loss and per-class accuracy on every validation image once.
+"""Evaluation of a run's checkpoints: top-1, top-5, loss and per-class accuracy on every validation image once
+(the imagenet-tpu-eval command is commands/evaluate.py).
 
-    imagenet-tpu-eval --model_dir=RUN                       # the latest checkpoint
-    imagenet-tpu-eval --model_dir=RUN --checkpoint=all      # every checkpoint kept, and a plot over them
-    imagenet-tpu-eval --model_dir=RUN --checkpoint=ckpt-500 --data_dir=/other/imagenet --strategy=mirrored
-
-The run's settings come from RUN/config.json (written when it trained); any training flag given on the command
-line overrides them, and --flagfile works as for training (for a run without config.json, the flags alone
-describe it). The batch-norm statistics are the run's: moving
-averages, the last batch's, or re-estimated from training batches ('reestimate', which then needs the training
-shards). Results go to RUN/eval/: CKPT.json (top-1, top-5, loss, images), CKPT_per_class.csv (accuracy of each
-class, named from labels.txt) and, for several checkpoints, accuracy.png and summary.json.
+The run's settings come from MODEL_DIR/config.json (Config.from_json), with overrides. The batch-norm statistics
+are the run's: moving averages, the last batch's, or re-estimated from training batches ('reestimate', which
+then needs the training shards). Results go to MODEL_DIR/eval/: CKPT.json (top-1, top-5, loss, images),
+CKPT_per_class.csv (accuracy of each class, named from labels.txt) and, for several checkpoints, accuracy.png and
+summary.json.
 """
 
 import csv
-import dataclasses
 import json
 import os
 import re
 from typing import List, Optional
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+import numpy as np
+import tensorflow as tf
 
-from imagenet_tpu import runtime  # first: sets oneDNN before TensorFlow is imported (runtime.py)
-
-tf = runtime.import_tensorflow()
-from absl import app, flags, logging  # noqa: E402
-import numpy as np  # noqa: E402
-
-from imagenet_tpu import batch_norm, callbacks, checkpointing, config as config_lib, labels  # noqa: E402
-from imagenet_tpu import main as main_lib, strategy as strategy_lib, train  # noqa: E402
-from imagenet_tpu.config import Config  # noqa: E402
-from imagenet_tpu.errors import CheckpointError, ConfigError, RunError  # noqa: E402
-
-_CHECKPOINT = flags.DEFINE_string('checkpoint', 'latest', "Which checkpoint of --model_dir: 'latest', 'all' or a "
-                                  "name such as ckpt-500.")
-CONFIG_FILE = 'config.json'
+from imagenet_tpu import train
+from imagenet_tpu.config import Config
+from imagenet_tpu.data import labels
+from imagenet_tpu.distribute import strategy as strategy_lib
+from imagenet_tpu.errors import CheckpointError
+from imagenet_tpu.model import batch_norm
+from imagenet_tpu.training import callbacks
+from imagenet_tpu.training import checkpointing
 
 
 def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
     """The Config a run trained with (MODEL_DIR/config.json), with ``overrides`` applied."""
-    path = os.path.join(model_dir, CONFIG_FILE)
+    path = os.path.join(model_dir, checkpointing.CONFIG_FILE)
     if not tf.io.gfile.exists(path):
-        raise CheckpointError(f'--model_dir {model_dir} has no {CONFIG_FILE}: not a run of this package, or one '
-                              'from before it wrote one (pass the run\'s flags, e.g. its --flagfile)')
+        raise CheckpointError(f'--model_dir {model_dir} has no {checkpointing.CONFIG_FILE}: not a run of this '
+                              'package, or one from before it wrote one (pass the run\'s flags, e.g. its --flagfile)')
     with tf.io.gfile.GFile(path) as f:
-        values = json.load(f)
-    kinds = dict((field.name, kind) for field, kind in config_lib.settings())
-    for name, value in values.items():
-        if isinstance(value, list) and name in kinds:
-            values[name] = tuple(value)
-    known = {field.name for field in dataclasses.fields(Config)}
-    values = {name: value for name, value in values.items() if name in known}
-    return Config(**{**values, **(overrides or {}), 'model_dir': model_dir})
+        return Config.from_json(f.read(), {**(overrides or {}), 'model_dir': model_dir})
 
 
 def select_checkpoints(model_dir: str, which: str) -> List[str]:
@@ -203,37 +186,3 @@ def evaluate_run(config: Config, which: str = 'latest', strategy: Optional[tf.di
                       f, indent=2)
         print_fn(f'wrote {os.path.join(folder, "accuracy.png")}')
     return results
-
-
-def main(argv):
-    logging.set_verbosity(logging.WARNING)
-    tf.get_logger().setLevel('WARNING')
-    if len(argv) > 1:
-        main_lib.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-    model_dir = flags.FLAGS.model_dir
-    try:
-        if not model_dir:
-            raise ConfigError('--model_dir is not set (the folder of a training run)')
-        if tf.io.gfile.exists(os.path.join(model_dir, CONFIG_FILE)):
-            config = run_config(model_dir, {field.name: value for field, value in zip(*_given_settings())})
-        else:   # a run from before config.json: its flags (e.g. its --flagfile) describe it
-            config = main_lib.config_from_flags()
-        evaluate_run(config, _CHECKPOINT.value, print_fn=lambda line: print(line, flush=True))
-    except RunError as error:
-        main_lib.fail(str(error), main_lib.exit_status(error))
-
-
-def _given_settings():
-    """(fields, values) of the training settings given on the command line or in a flagfile."""
-    given = [(field, value) for field, value in zip(dataclasses.fields(Config),
-                                                    dataclasses.astuple(main_lib.config_from_flags()))
-             if flags.FLAGS[field.name].present and field.name != 'model_dir']
-    return [field for field, _ in given], [value for _, value in given]
-
-
-def run():
-    app.run(main)
-
-
-if __name__ == '__main__':
-    run()

@@ -1,8 +1,8 @@
 """Process set-up that has to happen before TensorFlow starts, and a report of what is in force.
 
 - oneDNN on x86 CPUs. TensorFlow 2.20 turns its oneDNN kernels on by itself only on CPUs with AVX-512-class
-  features; on others (AVX2-only AMD EPYC and Intel desktop parts, for example) it runs Eigen's kernels, and a
-  ResNet-18 training step (32x32 images, batch 64, one device) measured 1,723 ms instead of 228 ms with oneDNN.
+  features; on others (AVX2-only AMD EPYC and Intel desktop parts, for example) it runs Eigen's kernels, several
+  times slower for a ResNet training step (docs/benchmarks.md).
   TensorFlow reads TF_ENABLE_ONEDNN_OPTS once, as it is imported, so the package sets it when it is itself imported
   (imagenet_tpu/__init__.py), which every entry point does before importing TensorFlow. A value the user has set,
   0 included, is left alone: `TF_ENABLE_ONEDNN_OPTS=0 imagenet-tpu-train ...` turns oneDNN off.

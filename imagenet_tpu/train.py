@@ -16,13 +16,22 @@ from typing import Optional
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import batch_norm, callbacks as callbacks_lib, checkpointing, classifier as classifier_lib
-from imagenet_tpu import collectives, data_service, export, input_pipeline, labels, lars, record_io, regularization, resnet
-from imagenet_tpu import convolution, rmsprop_warmup, schedules
-from imagenet_tpu import strategy as strategy_lib, tfrecord
+from imagenet_tpu import cpu
 from imagenet_tpu.config import Config
+from imagenet_tpu.data import labels, tfrecord
+from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import service as data_service
+from imagenet_tpu.data.records import SkipCounts
+from imagenet_tpu.distribute import collectives
+from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, summarize_graph_error
-from imagenet_tpu.record_io import SkipCounts
+from imagenet_tpu.model import batch_norm, resnet
+from imagenet_tpu.model import classifier as classifier_lib
+from imagenet_tpu.optim import lars, regularization, rmsprop_warmup, schedules
+from imagenet_tpu.serving import export
+from imagenet_tpu.training import callbacks as callbacks_lib
+from imagenet_tpu.training import checkpointing
 
 
 def prepare_process(config: Config) -> None:
@@ -45,8 +54,8 @@ def build_network(config: Config, num_replicas: int = 1, replica_order=None) -> 
     """The plain Keras ResNet: images -> logits, with batch norm as configured for ``num_replicas`` replicas
     (``replica_order``: the replica at each mesh index, strategy.replica_order; None: replica r at index r).
 
-    Per-replica batch norm with moving averages is Keras's layer (batch_norm.BatchNormalization, with faster
-    kernels on CPU); replica groups, and the Akiba et al. or re-estimated inference statistics, use
+    Per-replica batch norm with moving averages is Keras's layer (cpu.BatchNormalization, with faster kernels
+    on CPU); replica groups, and the Akiba et al. or re-estimated inference statistics, use
     batch_norm.GroupBatchNormalization.
     """
     with mixed_precision_policy(config.precision):
@@ -92,6 +101,12 @@ def build_export_network(config: Config, network: keras.Model) -> keras.Model:
     twin = build_network(dataclasses.replace(config, bn_group_size=1, bn_span=None), 1)
     twin.set_weights(network.get_weights())
     return twin
+
+
+def export_settings(config: Config) -> dict:
+    """export.export_saved_model's preprocessing settings from a Config: the evaluation crop of training."""
+    return dict(image_size=config.image_size, crop_fraction=config.eval_crop, resize_method=config.resize_method,
+                space_to_depth=config.space_to_depth)
 
 
 def build_learning_rate(config: Config) -> keras.optimizers.schedules.LearningRateSchedule:
@@ -189,12 +204,12 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
 
 
 def tune_convolutions(network: keras.Model, config: Config, num_replicas: int, print_fn=print) -> None:
-    """Times the convolutions' formulations on this machine before the input pipeline starts (convolution.py:
+    """Times the convolutions' formulations on this machine before the input pipeline starts (cpu/convolution.py:
     CPU-only machines, one replica, not --deterministic, float32)."""
     started = time.perf_counter()
-    choices = convolution.tune_network(network, config.global_batch_size // num_replicas, num_replicas)
+    choices = cpu.tune_network(network, config.global_batch_size // num_replicas, num_replicas)
     if choices:
-        others = sum(any(name != convolution.DEFAULT for name in choice.values()) for choice in choices.values())
+        others = sum(any(name != cpu.convolution.DEFAULT for name in choice.values()) for choice in choices.values())
         print_fn(f'convolutions tuned to this machine: {len(choices)} shapes, {others} computed another way than '
                  f"TensorFlow's convolution op ({time.perf_counter() - started:.1f} s)")
 
@@ -270,7 +285,7 @@ def check_data(config: Config) -> None:
     few classes each, so one shard alone rarely shows a wrong --num_classes."""
     for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
         for path in record_io.list_shards(config.data_dir, split)[:LABEL_CHECK_SHARDS]:
-            record_io.check_labels(path, config)
+            record_io.check_labels(path, config.num_classes, config.label_offset, config.bad_records == 'fatal')
 
 
 def build_datasets(config: Config, strategy: tf.distribute.Strategy, start_step: int = 0,
@@ -423,7 +438,8 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
     if config.model_dir and chief and config.export_saved_model:
         path = os.path.join(config.model_dir, 'saved_model')
         names, _ = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
-        export.export_saved_model(build_export_network(config, classifier.network), path, config, names)
+        export.export_saved_model(build_export_network(config, classifier.network), path, names,
+                                  **export_settings(config))
         print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
     if config.model_dir and chief:

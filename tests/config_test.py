@@ -7,7 +7,9 @@ from absl import flags
 from absl.testing import parameterized
 import tensorflow as tf
 
-from imagenet_tpu import config as config_lib, main
+from imagenet_tpu import config as config_lib
+from imagenet_tpu.commands import common
+from imagenet_tpu.commands import train as main  # noqa: F401  (defines the flags)
 from imagenet_tpu.config import Config, ConfigError
 
 FIELDS = {field.name: field for field in dataclasses.fields(Config)}
@@ -26,7 +28,7 @@ class ConfigMetadataTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_flags_are_exactly_the_fields_plus_absls_own(self):
         ours = {name for name, flag in flags.FLAGS._flags().items() if name == flag.name}
-        defined_here = {name for name in ours if flags.FLAGS.find_module_defining_flag(name) == main.__name__}
+        defined_here = {name for name in ours if flags.FLAGS.find_module_defining_flag(name) == common.__name__}
         self.assertEqual(defined_here, set(FIELDS))
 
     @parameterized.parameters(*[name for name, field in FIELDS.items() if field.metadata['choices']])

@@ -1,12 +1,19 @@
-"""pytest hooks for the tf.test suite.
+"""pytest hooks for the tf.test suite, and helpers.py on the path of every test file.
 
 imagenet_tpu is imported before any test module imports TensorFlow, so the suite runs with the package's oneDNN
 setting (imagenet_tpu/runtime.py), as the command line does.
 """
 
+import os
+import sys
+
 from imagenet_tpu import runtime
 
 runtime.import_tensorflow()
+
+# The test files sit in folders that mirror the package (pytest imports them with --import-mode=importlib, so
+# two folders may hold files of one name); all of them import the shared helpers.py from here.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):

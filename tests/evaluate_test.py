@@ -13,7 +13,10 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import errors, evaluate, labels, train
+from imagenet_tpu import errors
+from imagenet_tpu import evaluate
+from imagenet_tpu.data import labels
+from imagenet_tpu import train
 
 helpers.use_eight_cpus()
 
@@ -84,7 +87,7 @@ class EvaluateTest(tf.test.TestCase):
             evaluate.evaluate_run(dataclasses.replace(config, data_dir=no_validation), 'latest', helpers.mirrored(2))
 
     def test_one_line_error_in_a_real_process(self):
-        process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.evaluate', f'--model_dir={self.model_dir}',
+        process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.commands.evaluate', f'--model_dir={self.model_dir}',
                                   '--checkpoint=ckpt-99', '--num_cpu_devices=2'], cwd=helpers.REPO,
                                  env=helpers.subprocess_environment(), capture_output=True, text=True, timeout=300)
         self.assertEqual(process.returncode, 2, process.stderr)

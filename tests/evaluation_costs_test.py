@@ -11,7 +11,10 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import batch_norm, callbacks, export, train
+from imagenet_tpu.model import batch_norm
+from imagenet_tpu.training import callbacks
+from imagenet_tpu.serving import export
+from imagenet_tpu import train
 
 helpers.use_eight_cpus()
 
@@ -88,9 +91,10 @@ class EvaluationCostsTest(tf.test.TestCase):
     def test_export_from_the_twin_equals_the_export_of_the_distributed_network(self):
         root = tempfile.mkdtemp(dir=self.get_temp_dir())
         names = [f'class {i}' for i in range(self.config.num_classes)]
-        export.export_saved_model(self.network, os.path.join(root, 'distributed'), self.config, names)
+        export.export_saved_model(self.network, os.path.join(root, 'distributed'), names,
+                                  **train.export_settings(self.config))
         twin = train.build_export_network(self.config, self.network)
-        export.export_saved_model(twin, os.path.join(root, 'twin'), self.config, names)
+        export.export_saved_model(twin, os.path.join(root, 'twin'), names, **train.export_settings(self.config))
         images = tf.constant(np.random.default_rng(0).uniform(0, 255, (6, 16, 16, 3)).astype(np.float32))
         outputs = {name: tf.saved_model.load(os.path.join(root, name)).signatures['serving_preprocessed'](
             images=images)['logits'].numpy() for name in ('distributed', 'twin')}

@@ -14,7 +14,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import strategy, tfrecord
+from imagenet_tpu.distribute import strategy
+from imagenet_tpu.data import tfrecord
 from imagenet_tpu.config import Config
 
 NUM_DEVICES = 8
@@ -123,6 +124,17 @@ def pixels(rng: np.random.Generator, shape) -> np.ndarray:
     """Random float32 images on the pixel scale the network expects (0..255 around ImageNet's mean): after
     its first layer (resnet.Standardize) they are about N(0, 1)."""
     return (117.0 + 58.0 * rng.normal(size=shape)).astype(np.float32)
+
+
+def small_run_flags(**overrides) -> list:
+    """Command-line flags of the tests' small runs: ResNet-10 on 16x16 images of 4 classes, 48 training and 20
+    held-out images, batch 16. ``overrides`` (flag name=value) replace or add flags; True and False give
+    --name and --noname."""
+    settings = dict(depth=10, image_size=16, num_classes=4, num_train_images=48, num_eval_images=20,
+                    global_batch_size=16, eval_batch_size=16)
+    settings.update(overrides)
+    return [(f'--{name}' if value else f'--no{name}') if isinstance(value, bool) else f'--{name}={value}'
+            for name, value in settings.items()]
 
 
 def tiny_config(**overrides) -> Config:

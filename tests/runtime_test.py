@@ -4,7 +4,6 @@ The decision is pure logic, tested case by case; what TensorFlow then does with 
 against TensorFlow's own report (IsMklEnabled), since the setting only takes effect before TensorFlow is imported.
 """
 
-import os
 import platform
 import subprocess
 import sys

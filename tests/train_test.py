@@ -10,7 +10,10 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import checkpointing, errors, input_pipeline, train
+from imagenet_tpu.training import checkpointing
+from imagenet_tpu import errors
+from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu import train
 from imagenet_tpu.config import ConfigError
 
 helpers.use_eight_cpus()

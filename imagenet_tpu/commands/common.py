@@ -1,0 +1,121 @@
+"""What every command shares: a quiet TensorFlow start, one absl flag per Config field, --help by section, and
+each failure as one ``error:`` line with its exit status (EXIT_STATUS). Import this module first in a command:
+it settles the environment before TensorFlow starts."""
+
+import dataclasses
+import os
+import sys
+import textwrap
+import typing
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # keep TensorFlow's C++ start-up chatter out of the progress
+
+from imagenet_tpu import runtime  # first: sets oneDNN before TensorFlow is imported (runtime.py)
+
+tf = runtime.import_tensorflow()
+from absl import app, flags, logging  # noqa: E402
+
+from imagenet_tpu import config as config_lib  # noqa: E402
+from imagenet_tpu import errors  # noqa: E402
+from imagenet_tpu.config import Config  # noqa: E402
+
+# Exit status per kind of failure (errors.py); the first class the error is an instance of wins.
+EXIT_STATUS = (
+    (errors.Preempted, 143),     # 128 + SIGTERM, as if the signal had ended the process: run again to continue
+    (errors.RunError, 2),        # a setting, the data, a checkpoint, divergence or the input's end: fix, rerun
+)
+HELP_FLAGS = ('-h', '--help', '-help', '--helpshort', '-?')
+
+
+def _help_text(field: dataclasses.Field) -> str:
+    meta = field.metadata
+    text = meta['help']
+    if meta['choices']:
+        text += ' One of: ' + ', '.join(str(choice) for choice in meta['choices']) + '.'
+    if meta['unit']:
+        text += f' [{meta["unit"]}]'
+    return text
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """One absl flag per Config field, of the field's name, type and default (a no-op if already defined)."""
+    for field, kind in config_lib.settings():
+        if field.name in flag_values:
+            continue
+        default, text = field.default, _help_text(field)
+        if field.metadata['parse'] is not None:
+            if typing.get_args(kind)[-1:] == (Ellipsis,):      # Tuple[X, ...]: a comma-separated list
+                flags.DEFINE_list(field.name, [str(item) for item in default], text, flag_values=flag_values)
+            else:                                              # text the field's parse function reads
+                flags.DEFINE_string(field.name, None if default is None else str(default), text,
+                                    flag_values=flag_values)
+        elif kind is bool:
+            flags.DEFINE_bool(field.name, default, text, flag_values=flag_values)
+        elif kind is int:
+            flags.DEFINE_integer(field.name, default, text, flag_values=flag_values)
+        elif kind is float:
+            flags.DEFINE_float(field.name, default, text, flag_values=flag_values)
+        elif kind is str:
+            flags.DEFINE_string(field.name, default, text, flag_values=flag_values)
+        else:
+            raise TypeError(f'no flag type for Config.{field.name}: {kind}')
+
+
+
+def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Config:
+    """The Config of the parsed flags: each field from its flag, through the field's parse function if any."""
+    values = {}
+    for field, _ in config_lib.settings():
+        value = flag_values[field.name].value
+        parse = field.metadata['parse']
+        values[field.name] = parse(value) if parse is not None and value is not None else value
+    return Config(**values)
+
+
+def _flag_with_default(field: dataclasses.Field, kind) -> str:
+    if kind is bool:
+        default = 'automatic' if field.default is None else 'on' if field.default else 'off'
+        return f'--[no]{field.name} (default: {default})'
+    if field.default is None:
+        return f'--{field.name} (not set by default)'
+    default = field.default
+    if isinstance(default, tuple):
+        default = ','.join(f'{item:g}' for item in default)
+    return f'--{field.name}={default}'
+
+
+def usage(doc: str) -> str:
+    """--help: what the command does (``doc``) and every training flag, by section, with defaults."""
+    lines = [doc.strip(), '', 'Flags (--helpfull adds absl\'s own):']
+    for section in config_lib.SECTIONS:
+        lines += ['', f'{section.capitalize()}:']
+        for field, kind in config_lib.settings():
+            if field.metadata['section'] != section:
+                continue
+            lines.append(f'  {_flag_with_default(field, kind)}')
+            lines += textwrap.wrap(_help_text(field), 100, initial_indent='      ', subsequent_indent='      ')
+    return '\n'.join(lines) + '\n'
+
+
+def fail(message: str, status: int = 2) -> None:
+    print(f'error: {message}', file=sys.stderr)
+    sys.exit(status)
+
+
+def exit_status(error: errors.RunError) -> int:
+    return next(status for kind, status in EXIT_STATUS if isinstance(error, kind))
+
+
+def quiet_logs() -> None:
+    """absl and TensorFlow log warnings and errors only: the command's own lines are the progress."""
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel('WARNING')
+
+
+def run_with_help(main, doc: str, argv=None) -> None:
+    """A console script: our --help (absl's shows only the flags of the script's own module), then absl."""
+    argv = list(sys.argv if argv is None else argv)
+    if any(arg in HELP_FLAGS for arg in argv[1:]):
+        sys.stdout.write(usage(doc))
+        sys.exit(0)
+    app.run(main, argv)

@@ -1,0 +1,63 @@
+"""Evaluation of a run's checkpoints: top-1, top-5, loss and per-class accuracy on every validation image once.
+
+    imagenet-tpu-eval --model_dir=RUN                       # the latest checkpoint
+    imagenet-tpu-eval --model_dir=RUN --checkpoint=all      # every checkpoint kept, and a plot over them
+    imagenet-tpu-eval --model_dir=RUN --checkpoint=ckpt-500 --data_dir=/other/imagenet --strategy=mirrored
+
+The run's settings come from RUN/config.json (written when it trained); any training flag given on the command
+line overrides them, and --flagfile works as for training (for a run without config.json, the flags alone
+describe it). The batch-norm statistics are the run's: moving
+averages, the last batch's, or re-estimated from training batches ('reestimate', which then needs the training
+shards). Results go to RUN/eval/: CKPT.json (top-1, top-5, loss, images), CKPT_per_class.csv (accuracy of each
+class, named from labels.txt) and, for several checkpoints, accuracy.png and summary.json.
+"""
+
+import dataclasses
+import os
+
+from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
+from absl import app, flags
+import tensorflow as tf
+
+from imagenet_tpu import evaluate
+from imagenet_tpu.config import Config
+from imagenet_tpu.errors import ConfigError, RunError
+from imagenet_tpu.training import checkpointing
+
+common.define_flags()
+_CHECKPOINT = flags.DEFINE_string('checkpoint', 'latest', "Which checkpoint of --model_dir: 'latest', 'all' or a "
+                                  "name such as ckpt-500.")
+
+
+def main(argv):
+    common.quiet_logs()
+    if len(argv) > 1:
+        common.fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    model_dir = flags.FLAGS.model_dir
+    try:
+        if not model_dir:
+            raise ConfigError('--model_dir is not set (the folder of a training run)')
+        if tf.io.gfile.exists(os.path.join(model_dir, checkpointing.CONFIG_FILE)):
+            config = evaluate.run_config(model_dir, {field.name: value for field, value in zip(*_given_settings())})
+        else:   # a run from before config.json: its flags (e.g. its --flagfile) describe it
+            config = common.config_from_flags()
+        evaluate.evaluate_run(config, _CHECKPOINT.value, print_fn=lambda line: print(line, flush=True))
+    except RunError as error:
+        common.fail(str(error), common.exit_status(error))
+
+
+def _given_settings():
+    """(fields, values) of the training settings given on the command line or in a flagfile."""
+    given = [(field, value) for field, value in zip(dataclasses.fields(Config),
+                                                    dataclasses.astuple(common.config_from_flags()))
+             if flags.FLAGS[field.name].present and field.name != 'model_dir']
+    return [field for field, _ in given], [value for _, value in given]
+
+
+def run():
+    """The console script imagenet-tpu-eval."""
+    app.run(main)
+
+
+if __name__ == '__main__':
+    run()

@@ -1,0 +1,271 @@
+"""Keras's Conv2D, with each of its three computations done the fastest of equivalent ways on CPUs.
+
+A training step runs every convolution three times: the forward pass, the gradient with respect to its input and
+the gradient with respect to its filter. With TensorFlow's oneDNN kernels on CPUs without AVX-512, the filter
+gradient runs a direct kernel at 100-150 GFLOP/s where the forward pass reaches 150-230 (docs/design.md, "Convolutions
+on CPU"), and the best way to compute it depends on the shape. Each computation has equivalent formulations:
+
+  forward          'convolution' (TensorFlow's op) or, for 1x1 filters, 'matmul': [b*h*w, Cin] x [Cin, F] on the
+                   (strided) input;
+  input gradient   'convolution' or, for 1x1 filters with stride 1, 'matmul': dY [b*h*w, F] x W^T;
+  filter gradient  'convolution', for 1x1 filters 'matmul' (X^T dY), or, for larger filters, 'swapped': the
+                   correlation of X with dY computed as a forward convolution whose batch is X's channels, whose
+                   input channels are the images and whose filter is dY (dilated by the stride).
+
+Conv2D times the applicable formulations of each computation once per problem (batch, map size, channels,
+filter, strides, padding) on this machine, where it is first traced, and uses the fastest of each: an autotuner,
+as cuDNN's is for GPUs. The result is the same function (to float rounding) with the same variables, so
+checkpoints load into Keras's layer and back. Tuning happens on machines without GPU or TPU (cpu_only), for
+float32 channels-last maps of known batch size and at least MIN_MULTIPLY_ADDS, under no strategy of several
+replicas (they would be traced side by side and time each other). With TensorFlow's op determinism on
+(--deterministic) every computation stays 'convolution', so that runs repeat bit for bit. Wherever tuning does
+not apply, the layer is exactly Keras's.
+"""
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Dict, Optional, Tuple
+
+import tensorflow as tf
+import tf_keras as keras
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: no public API
+
+from imagenet_tpu.cpu.batch_norm import cpu_only
+
+PARTS = ('forward', 'input_gradient', 'filter_gradient')
+DEFAULT = 'convolution'
+# Problems below this many multiply-adds keep TensorFlow's op: what another formulation could save there is less
+# than timing it costs (ResNet-50's smallest convolution at 128x128 and batch 32 has 134 million).
+MIN_MULTIPLY_ADDS = 50_000_000
+# Another formulation replaces 'convolution' only when it took at most this fraction of its time, so that a
+# difference within the timing noise does not change the computation from one run to the next.
+MARGIN = 0.97
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One convolution of float32 NHWC maps with an HWIO filter, shapes known."""
+    batch: int
+    height: int
+    width: int
+    in_channels: int
+    filters: int
+    kernel: Tuple[int, int]
+    strides: Tuple[int, int]
+    padding: str            # 'SAME' or 'VALID'
+
+    @property
+    def input_shape(self):
+        return (self.batch, self.height, self.width, self.in_channels)
+
+    @property
+    def filter_shape(self):
+        return (*self.kernel, self.in_channels, self.filters)
+
+    @property
+    def output_size(self) -> Tuple[int, int]:
+        if self.padding == 'SAME':
+            return tuple(-(-size // stride) for size, stride in zip((self.height, self.width), self.strides))
+        return tuple((size - k) // stride + 1
+                     for size, k, stride in zip((self.height, self.width), self.kernel, self.strides))
+
+    @property
+    def output_shape(self):
+        return (self.batch, *self.output_size, self.filters)
+
+    @property
+    def multiply_adds(self) -> int:
+        rows, columns = self.output_size
+        return self.batch * rows * columns * self.filters * self.kernel[0] * self.kernel[1] * self.in_channels
+
+    def paddings(self):
+        """[(before, after)] rows and columns, as TensorFlow pads for SAME (nothing for VALID)."""
+        if self.padding == 'VALID':
+            return [(0, 0), (0, 0)]
+        pads = []
+        for size, k, stride, out in zip((self.height, self.width), self.kernel, self.strides, self.output_size):
+            total = max((out - 1) * stride + k - size, 0)
+            pads.append((total // 2, total - total // 2))
+        return pads
+
+
+def candidates(problem: Problem) -> Dict[str, Tuple[str, ...]]:
+    """The formulations that apply to each computation of ``problem``; 'convolution' first."""
+    one_by_one = problem.kernel == (1, 1)
+    return {'forward': (DEFAULT, 'matmul') if one_by_one else (DEFAULT,),
+            'input_gradient': (DEFAULT, 'matmul') if one_by_one and problem.strides == (1, 1) else (DEFAULT,),
+            'filter_gradient': (DEFAULT, 'matmul') if one_by_one else (DEFAULT, 'swapped')}
+
+
+def _strided(x, problem: Problem):
+    """The input pixels a 1x1 filter reads (it reads from the first one, with SAME or VALID padding)."""
+    if problem.strides == (1, 1):
+        return x
+    return x[:, ::problem.strides[0], ::problem.strides[1], :]
+
+
+def forward(formulation: str, x, w, problem: Problem):
+    if formulation == DEFAULT:
+        return tf.nn.conv2d(x, w, strides=problem.strides, padding=problem.padding)
+    rows = tf.reshape(_strided(x, problem), [-1, problem.in_channels])
+    return tf.reshape(tf.matmul(rows, tf.reshape(w, [problem.in_channels, problem.filters])), problem.output_shape)
+
+
+def input_gradient(formulation: str, dy, w, problem: Problem):
+    if formulation == DEFAULT:
+        return tf.raw_ops.Conv2DBackpropInput(input_sizes=problem.input_shape, filter=w, out_backprop=dy,
+                                              strides=[1, *problem.strides, 1], padding=problem.padding)
+    rows = tf.matmul(tf.reshape(dy, [-1, problem.filters]), tf.reshape(w, [problem.in_channels, problem.filters]),
+                     transpose_b=True)
+    return tf.reshape(rows, problem.input_shape)
+
+
+def filter_gradient(formulation: str, x, dy, problem: Problem):
+    if formulation == DEFAULT:
+        return tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=problem.filter_shape, out_backprop=dy,
+                                               strides=[1, *problem.strides, 1], padding=problem.padding)
+    if formulation == 'matmul':
+        rows = tf.reshape(_strided(x, problem), [-1, problem.in_channels])
+        return tf.reshape(tf.matmul(rows, tf.reshape(dy, [-1, problem.filters]), transpose_a=True),
+                          problem.filter_shape)
+    # dW[i, j, c, f] = sum over n, p, q of X_padded[n, p * sh + i, q * sw + j, c] dY[n, p, q, f]: a VALID
+    # convolution of X_padded as [c, H, W, n] with dY as the filter [p, q, n, f], dilated by the strides.
+    padded = tf.pad(x, [(0, 0), *problem.paddings(), (0, 0)])
+    correlation = tf.nn.conv2d(tf.transpose(padded, [3, 1, 2, 0]), tf.transpose(dy, [1, 2, 0, 3]), strides=1,
+                               padding='VALID', dilations=problem.strides)
+    return tf.transpose(correlation[:, :problem.kernel[0], :problem.kernel[1], :], [1, 2, 0, 3])
+
+
+def convolve(x, w, problem: Problem, choice: Dict[str, str]):
+    """The convolution of ``problem`` with each computation done as ``choice`` says."""
+
+    @tf.custom_gradient
+    def convolution(x, w):
+        def gradient(dy):
+            return (input_gradient(choice['input_gradient'], dy, w, problem),
+                    filter_gradient(choice['filter_gradient'], x, dy, problem))
+        return forward(choice['forward'], x, w, problem), gradient
+
+    return convolution(x, w)
+
+
+def _seconds(run: Callable[[], tf.Tensor], repeats: int) -> float:
+    """Shortest of ``repeats`` timed runs, after one that builds the kernels."""
+    run().numpy()
+    best = float('inf')
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run().numpy()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure(problem: Problem, repeats: int = 3) -> Dict[str, Dict[str, float]]:
+    """Seconds of each applicable formulation of each computation of ``problem``, run eagerly on random maps."""
+    x = tf.random.normal(problem.input_shape)
+    w = tf.random.normal(problem.filter_shape)
+    dy = tf.random.normal(problem.output_shape)
+    runs = {'forward': lambda name: forward(name, x, w, problem),
+            'input_gradient': lambda name: input_gradient(name, dy, w, problem),
+            'filter_gradient': lambda name: filter_gradient(name, x, dy, problem)}
+    return {part: {name: _seconds(lambda name=name: runs[part](name), repeats) for name in names}
+            for part, names in candidates(problem).items()}
+
+
+def fastest(seconds: Dict[str, Dict[str, float]]) -> Dict[str, str]:
+    """For each computation, the formulation of least time, if it took at most MARGIN of 'convolution's time;
+    'convolution' otherwise."""
+    choice = {}
+    for part, times in seconds.items():
+        best = min(times, key=times.get)
+        choice[part] = best if times[best] <= MARGIN * times[DEFAULT] else DEFAULT
+    return choice
+
+
+_choices: Dict[Problem, Dict[str, str]] = {}
+_lock = threading.Lock()
+
+
+def choose(problem: Problem, measure_fn: Optional[Callable] = None) -> Dict[str, str]:
+    """The tuned choice for ``problem``: measured on its first request in this process, then remembered."""
+    with _lock:
+        if problem not in _choices:
+            with tf.init_scope():          # eagerly, also while a tf.function is being traced
+                _choices[problem] = fastest((measure_fn or measure)(problem))
+        return _choices[problem]
+
+
+def tuning_applies() -> bool:
+    """Whether convolutions traced now may be tuned: op determinism is off and one replica runs in this process
+    (replicas traced side by side would time each other)."""
+    if tf_config.is_op_determinism_enabled():
+        return False
+    return tf.distribute.get_strategy().num_replicas_in_sync == 1
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class Conv2D(keras.layers.Conv2D):
+    """keras.layers.Conv2D whose forward pass and gradients use the tuned formulations (module docstring) on a
+    machine without GPU or TPU (``cpu_tuning=None`` decides so when the layer is built); anything tuning does not
+    apply to is Keras's code."""
+
+    def __init__(self, *args, cpu_tuning: Optional[bool] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cpu_tuning = cpu_tuning
+        self._tune = cpu_tuning
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if self._tune is None:
+            self._tune = cpu_only()
+
+    def problem(self, inputs) -> Optional[Problem]:
+        """The Problem of this layer on ``inputs``, or None where tuning does not apply."""
+        return self.problem_for(inputs.shape, inputs.dtype)
+
+    def problem_for(self, shape, dtype=tf.float32) -> Optional[Problem]:
+        """The Problem of this layer on maps of ``shape`` and ``dtype``, or None where tuning does not apply."""
+        shape = tf.TensorShape(shape)
+        if not (self._tune and self.rank == 2 and self.data_format == 'channels_last' and self.groups == 1
+                and self.dilation_rate == (1, 1) and self.padding in ('same', 'valid')
+                and tf.as_dtype(dtype) == tf.float32 and self.compute_dtype == 'float32'
+                and shape.rank == 4 and shape.is_fully_defined()):
+            return None
+        problem = Problem(batch=shape[0], height=shape[1], width=shape[2], in_channels=shape[3],
+                          filters=self.filters, kernel=tuple(self.kernel_size), strides=tuple(self.strides),
+                          padding=self.padding.upper())
+        return problem if problem.multiply_adds >= MIN_MULTIPLY_ADDS else None
+
+    def convolution_op(self, inputs, kernel):
+        problem = self.problem(inputs)
+        if problem is None or not tuning_applies():
+            return super().convolution_op(inputs, kernel)
+        choice = choose(problem)
+        if all(name == DEFAULT for name in choice.values()):
+            return super().convolution_op(inputs, kernel)
+        return convolve(inputs, kernel, problem, choice)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(cpu_tuning=self.cpu_tuning)
+        return config
+
+
+def tune_network(network: keras.Model, batch_size: int, num_replicas: int = 1) -> Dict[Problem, Dict[str, str]]:
+    """Tunes every Conv2D of ``network`` for batches of ``batch_size`` per replica now, before training starts
+    (rather than while its step is traced, beside the input pipeline's threads); returns the choices. Nothing is
+    tuned with several replicas, with op determinism on, or where the layers' own rules say no."""
+    if num_replicas != 1 or tf_config.is_op_determinism_enabled():
+        return {}
+    choices = {}
+    for layer in network.submodules:     # nested models too
+        if isinstance(layer, Conv2D) and layer.built:
+            try:
+                shape = layer.input_shape        # one input shape: a layer called once
+            except (AttributeError, RuntimeError):
+                continue
+            problem = layer.problem_for([batch_size, *shape[1:]])
+            if problem is not None:
+                choices[problem] = choose(problem)
+    return choices

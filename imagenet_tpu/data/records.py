@@ -1,0 +1,224 @@
+"""Record I/O under the input streams: listing and checking shards, reading TFRecord files with a parallel
+interleave, and the accounting of bad records and truncated files (SkipCounts) that lets a long run skip them."""
+
+import os
+from typing import Optional, Tuple
+
+import tensorflow as tf
+from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
+
+from imagenet_tpu.data import record_counts
+from imagenet_tpu.data import tfrecord
+from imagenet_tpu.errors import ConfigError, DataError, summarize_graph_error
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+# Kinds of element in the file-reading stream (see _read_file).
+_RECORD, _FILE_END, _FILE_TRUNCATED = 0, 1, 2
+
+
+def list_shards(data_dir: Optional[str], split: str) -> list:
+    """Sorted shard paths of ``split`` in ``data_dir``; ConfigError without a data_dir, DataError when it
+    holds none."""
+    if not data_dir:
+        raise ConfigError('--data_dir is not set (or pass --synthetic_data for a run without input)')
+    if not tf.io.gfile.isdir(data_dir):
+        raise DataError(f'--data_dir {data_dir} does not exist or is not a directory')
+    paths = sorted(tf.io.gfile.glob(tfrecord.file_pattern(data_dir, split)))
+    if not paths:
+        pattern = os.path.basename(tfrecord.file_pattern(data_dir, split))
+        raise DataError(f'no {split} files matching {pattern} in --data_dir {data_dir}')
+    return paths
+
+
+def file_sizes(paths: list) -> list:
+    """Byte size of each file, checking that each can be opened: a missing or unreadable file is a DataError
+    at start, not a failure hours into a run. Nothing is read (a resumed run reads only where it resumes)."""
+    sizes = []
+    for path in paths:
+        try:
+            sizes.append(tf.io.gfile.stat(path).length)
+            if record_counts.is_local(path):
+                os.close(os.open(path, os.O_RDONLY))   # permissions, without reading (stat does not check them)
+        except (tf.errors.OpError, OSError) as error:
+            raise DataError(f'cannot read {path} ({type(error).__name__})') from None
+    return sizes
+
+
+def check_labels(path: str, num_classes: int, label_offset: int, fatal_errors: bool, records: int = 64) -> None:
+    """Reads the first ``records`` labels of a shard and fails at start if any is outside the model's range
+    [label_offset, label_offset + num_classes) (a wrong --num_classes or --label_offset, rather than a bad
+    record). Records that cannot be read are left to the pipeline, which skips and counts them, or with
+    ``fatal_errors`` (bad_records='fatal') are an error here already."""
+    low, high = label_offset, label_offset + num_classes
+    iterator = iter(tf.data.TFRecordDataset(path).take(records))
+    for index in range(records):
+        try:
+            label = int(tfrecord.parse_example(next(iterator))['label'])
+        except StopIteration:
+            return
+        except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
+            if fatal_errors:
+                raise DataError(f'bad input record: {path}: record {index} cannot be read '
+                                  f'({summarize_graph_error(error.message)})') from None
+            if isinstance(error, tf.errors.DataLossError):
+                return
+            continue
+        except tf.errors.OpError as error:     # a file that cannot be opened (a dangling link, permissions)
+            raise DataError(f'cannot read {path} ({type(error).__name__})') from None
+        if not low <= label < high:
+            raise DataError(
+                f'{path}: on-disk label {label} is outside [{low}, {high}) given --num_classes={num_classes}'
+                f' and --label_offset={label_offset} (ImageNet shards store 1..1000: num_classes=1000,'
+                ' label_offset=1)')
+
+
+class SkipCounts:
+    """Bad records skipped and truncated files cut short by the input pipelines of this process.
+
+    With bad_records='skip', a record whose JPEG does not decode, that lacks a feature or whose label is
+    out of range is skipped and counted, and a TFRecord file that ends mid-record is read up to its last whole
+    record and counted, instead of stopping a long run. The counts are of what the pipelines have read, which
+    runs ahead of training by the prefetch buffers.
+    """
+
+    def __init__(self):
+        self._counters = []
+
+    def new_counters(self) -> Tuple[tf.Variable, tf.Variable]:
+        """(bad_records, truncated_files) variables for one more pipeline, on the current (host) device."""
+        with tf.init_scope():
+            counters = (tf.Variable(0, dtype=tf.int64, trainable=False, name='bad_records'),
+                        tf.Variable(0, dtype=tf.int64, trainable=False, name='truncated_files'))
+        self._counters.append(counters)
+        return counters
+
+    @staticmethod
+    def position_counter() -> tf.Variable:
+        with tf.init_scope():
+            return tf.Variable(0, dtype=tf.int64, trainable=False, name='records_read')
+
+    def totals(self) -> dict:
+        return {'bad_records': sum(int(bad.numpy()) for bad, _ in self._counters),
+                'truncated_files': sum(int(truncated.numpy()) for _, truncated in self._counters)}
+
+
+def _read_file(path: tf.Tensor, size: tf.Tensor, buffer_bytes: int) -> tf.data.Dataset:
+    """(record, kind) of one file: every whole record (kind _RECORD), then one end marker that says whether the
+    file was complete (_FILE_END) or ended mid-record (_FILE_TRUNCATED: the records before the cut are kept).
+
+    TFRecordDataset raises DataLossError once at a cut and then ends; ignore_errors drops that error, and the
+    bytes of the records read, compared with the file's size, tell a cut from a normal end.
+    """
+    records = tf.data.TFRecordDataset(path, buffer_size=buffer_bytes).ignore_errors()
+    records = records.map(lambda record: (record, tf.constant(_RECORD)))
+    end = tf.data.Dataset.from_tensors((tf.constant(b''), tf.constant(_FILE_END)))
+
+    def account(read_bytes, element):
+        record, kind = element
+        read_bytes += tf.cast(tf.strings.length(record), tf.int64) + record_counts.FRAME_BYTES
+        kind = tf.where(tf.logical_and(kind == _FILE_END, read_bytes - record_counts.FRAME_BYTES != size),
+                        _FILE_TRUNCATED, kind)
+        return read_bytes, (record, kind)
+
+    return records.concatenate(end).scan(tf.constant(0, tf.int64), account)
+
+
+READ_AHEAD_RECORDS = 64   # records each file being read ahead may buffer (whole_files=True): ~7 MB of ImageNet
+
+
+def file_records(path: tf.Tensor, size: tf.Tensor, skip, buffer_bytes: int, fatal_errors: bool,
+                 truncated: Optional[tf.Variable] = None) -> tf.data.Dataset:
+    """The whole records of one file from its ``skip``-th on (the ones before are read, not returned), read
+    through a buffer of ``buffer_bytes``. With ``fatal_errors`` a file cut mid-record stops the run with
+    TensorFlow's DataLossError; else it ends at its last whole record and adds one to ``truncated``."""
+    if fatal_errors:
+        return tf.data.TFRecordDataset(path, buffer_size=buffer_bytes).skip(skip)
+
+    def keep_records(record, kind):
+        if truncated is None:
+            return kind == _RECORD
+        with tf.control_dependencies([truncated.assign_add(tf.cast(kind == _FILE_TRUNCATED, tf.int64))]):
+            return kind == _RECORD
+
+    records = _read_file(path, size, buffer_bytes).filter(keep_records)
+    return records.map(lambda record, kind: record).skip(skip)
+
+
+def read_records(paths, sizes, *, buffer_bytes: int, fatal_errors: bool, deterministic: bool, cycle_length: int,
+                 truncated: Optional[tf.Variable] = None, skips=None, whole_files: bool = False) -> tf.data.Dataset:
+    """Serialized records of ``paths`` (a list or a string tensor; ``sizes`` their byte sizes), ``cycle_length``
+    files read at once by a parallel interleave, each through a buffer of ``buffer_bytes``.
+
+    Records alternate between the open files, or with ``whole_files`` come file after file, in order, while
+    the next files are read ahead in parallel (READ_AHEAD_RECORDS each). ``skips`` (one per file) leaves out
+    that many records at the start of each file. With bad_records='skip', a truncated file ends early and adds
+    one to ``truncated``; with ``fatal_errors`` its DataLossError stops the run."""
+    sizes = tf.cast(sizes, tf.int64)
+    skips = tf.zeros_like(sizes) if skips is None else tf.cast(skips, tf.int64)
+    files = tf.data.Dataset.from_tensor_slices((paths, sizes, skips))
+
+    def read(path, size, skip):
+        return file_records(path, size, skip, buffer_bytes, fatal_errors, truncated)
+
+    if not whole_files:
+        return files.interleave(read, cycle_length=cycle_length, num_parallel_calls=AUTOTUNE,
+                                deterministic=deterministic)
+    return interleave_without_prefetch(files, read, cycle_length, block_length=2 ** 62, sloppy=not deterministic)
+
+
+def interleave_without_prefetch(files: tf.data.Dataset, read, cycle_length: int, block_length: int,
+                                sloppy: bool) -> tf.data.Dataset:
+    """files.interleave(read) over cycle_length files, each read ahead by READ_AHEAD_RECORDS records, and no
+    file opened (or, from a tf.data service, claimed) before a reader is free for it. Dataset.interleave gives
+    the same order but opens several elements beyond the cycle and buffers far more of each; the older
+    tf.data.experimental.parallel_interleave lets both be set."""
+    with deprecation.silence():
+        return files.apply(tf.data.experimental.parallel_interleave(
+            read, cycle_length=cycle_length, block_length=block_length, sloppy=sloppy,
+            buffer_output_elements=READ_AHEAD_RECORDS, prefetch_input_elements=0))
+
+
+def enumerate_records(records: tf.data.Dataset, read: Optional[tf.Variable]) -> tf.data.Dataset:
+    """(index, record) pairs; ``read`` (if given) holds the number of records enumerated so far."""
+    indexed = records.enumerate()
+    if read is None:
+        return indexed
+
+    def note(index, record):
+        with tf.control_dependencies([read.assign(index + 1)]):
+            return tf.identity(index), record
+
+    return indexed.map(note)
+
+
+def decode_guarded(decoded: tf.data.Dataset, bad: Optional[tf.Variable],
+                    read: Optional[tf.Variable] = None) -> tf.data.Dataset:
+    """Drops elements whose decoding failed, adding their number to ``bad`` (None: errors stop the run).
+
+    ``decoded``'s elements are (index, ...) with consecutive indices in order (a deterministic map): after
+    ignore_errors, a gap in the indices is the number of records dropped there. For a finite stream, ``read``
+    (the variable enumerate_records kept) lets a final marker count the bad records at its very end too.
+    """
+    if bad is None:
+        return decoded.map(lambda index, *rest: rest)
+    guarded = decoded.ignore_errors().map(lambda *element: (tf.constant(True), *element))
+    if read is not None:
+        dummies = tuple(tf.zeros([size or 0 for size in spec.shape], spec.dtype)
+                        for spec in decoded.element_spec[1:])
+        end = tf.data.Dataset.range(1).map(lambda _: (tf.constant(False), read.read_value(), *dummies))
+        guarded = guarded.concatenate(end)
+
+    def count_gap(expected, element):
+        real, index, rest = element[0], element[1], element[2:]
+        with tf.control_dependencies([bad.assign_add(index - expected)]):
+            return index + 1, (tf.identity(real), *rest)
+
+    def is_real(real, *unused_rest):
+        return real
+
+    def strip_flag(unused_real, *rest):
+        return rest
+
+    return guarded.scan(tf.constant(0, tf.int64), count_gap).filter(is_real).map(strip_flag)

@@ -1,0 +1,1 @@
+"""Optimization: LARS, RMSprop warm-up, learning-rate schedules, weight-decay exclusions."""

@@ -1,0 +1,252 @@
+"""convolution.Conv2D and its formulations against TensorFlow's convolution op and its registered gradients, and
+Keras's Conv2D layer."""
+
+import itertools
+import os
+from unittest import mock
+
+from absl.testing import parameterized
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+from tensorflow.python.framework import config as tf_config
+
+import helpers
+from imagenet_tpu.cpu import convolution
+from imagenet_tpu.model import resnet
+from imagenet_tpu.cpu.convolution import Problem
+
+helpers.use_eight_cpus()
+
+PROBLEMS = {
+    '1x1': Problem(2, 8, 8, 4, 6, (1, 1), (1, 1), 'SAME'),
+    '1x1_stride2_odd': Problem(2, 9, 7, 4, 6, (1, 1), (2, 2), 'SAME'),
+    '1x1_stride2_valid': Problem(2, 9, 7, 4, 6, (1, 1), (2, 2), 'VALID'),
+    '3x3': Problem(2, 8, 8, 4, 6, (3, 3), (1, 1), 'SAME'),
+    '3x3_stride2_odd': Problem(2, 9, 8, 4, 6, (3, 3), (2, 2), 'SAME'),
+    '3x3_stride2_valid': Problem(2, 9, 8, 4, 6, (3, 3), (2, 2), 'VALID'),
+    '7x7_stride2': Problem(2, 16, 16, 3, 5, (7, 7), (2, 2), 'SAME'),
+    '3x1_strides_2_1_valid': Problem(3, 10, 11, 3, 5, (3, 1), (2, 1), 'VALID'),
+}
+
+
+def tensorflow_reference(x, w, dy, problem):
+    """Output and gradients (input, filter) of tf.nn.conv2d, by TensorFlow's registered gradients."""
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        y = tf.nn.conv2d(x, w, strides=problem.strides, padding=problem.padding)
+    return [y, *tape.gradient(y, [x, w], output_gradients=dy)]
+
+
+def formulations(x, w, dy, problem, choice):
+    with tf.GradientTape() as tape:
+        tape.watch([x, w])
+        y = convolution.convolve(x, w, problem, choice)
+    return [y, *tape.gradient(y, [x, w], output_gradients=dy)]
+
+
+def graph_ops(layer, x):
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        return y, tape.gradient(y, [x, layer.kernel])
+    return {op.type for op in step.get_concrete_function(x).graph.get_operations()}
+
+
+class FormulationTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.named_parameters(*PROBLEMS.items())
+    def test_every_formulation_equals_tensorflow(self, problem):
+        rng = np.random.default_rng(0)
+        x, w, dy = (tf.constant(rng.normal(size=shape), tf.float32)
+                    for shape in (problem.input_shape, problem.filter_shape, problem.output_shape))
+        expected = tensorflow_reference(x, w, dy, problem)
+        self.assertEqual(tuple(expected[0].shape), problem.output_shape)
+        combinations = list(itertools.product(*convolution.candidates(problem).values()))
+        self.assertGreater(len(combinations), 1)
+        for names in combinations:
+            got = formulations(x, w, dy, problem, dict(zip(convolution.PARTS, names)))
+            for part, value, reference in zip(('output', 'input gradient', 'filter gradient'), got, expected):
+                self.assertAllClose(value, reference, atol=2e-5, rtol=1e-5, msg=f'{names}: {part}')
+
+    def test_candidates(self):
+        self.assertEqual(convolution.candidates(PROBLEMS['1x1']),
+                         {'forward': ('convolution', 'matmul'), 'input_gradient': ('convolution', 'matmul'),
+                          'filter_gradient': ('convolution', 'matmul')})
+        # Strided 1x1: the input gradient is TensorFlow's op (it scatters into the skipped pixels).
+        self.assertEqual(convolution.candidates(PROBLEMS['1x1_stride2_odd'])['input_gradient'], ('convolution',))
+        self.assertEqual(convolution.candidates(PROBLEMS['3x3']),
+                         {'forward': ('convolution',), 'input_gradient': ('convolution',),
+                          'filter_gradient': ('convolution', 'swapped')})
+
+    def test_problem_shapes_follow_tensorflow(self):
+        for problem in PROBLEMS.values():
+            x = tf.zeros(problem.input_shape)
+            y = tf.nn.conv2d(x, tf.zeros(problem.filter_shape), problem.strides, problem.padding)
+            self.assertEqual(problem.output_shape, tuple(y.shape))
+            rows, columns = problem.output_size
+            self.assertEqual(problem.multiply_adds, np.prod(problem.filter_shape) * problem.batch * rows * columns)
+
+
+class TuningTest(tf.test.TestCase):
+
+    def test_fastest_takes_another_formulation_only_beyond_the_margin(self):
+        seconds = {'forward': {'convolution': 1.0, 'matmul': 0.5},
+                   'input_gradient': {'convolution': 1.0, 'matmul': 0.99},
+                   'filter_gradient': {'convolution': 1.0, 'matmul': 1.5, 'swapped': 0.96}}
+        self.assertEqual(convolution.fastest(seconds),
+                         {'forward': 'matmul', 'input_gradient': 'convolution', 'filter_gradient': 'swapped'})
+
+    def test_measure_times_every_candidate(self):
+        problem = PROBLEMS['1x1']
+        seconds = convolution.measure(problem, repeats=1)
+        self.assertEqual({part: tuple(times) for part, times in seconds.items()}, convolution.candidates(problem))
+        self.assertTrue(all(0 < t < 10 for times in seconds.values() for t in times.values()), seconds)
+
+    def test_choose_measures_each_problem_once(self):
+        problem = Problem(7, 5, 5, 3, 2, (1, 1), (1, 1), 'SAME')   # used by no other test
+        calls = []
+
+        def fake_measure(p):
+            calls.append(p)
+            return {'forward': {'convolution': 2.0, 'matmul': 1.0}, 'input_gradient': {'convolution': 1.0},
+                    'filter_gradient': {'convolution': 1.0, 'matmul': 3.0}}
+
+        for _ in range(2):
+            self.assertEqual(convolution.choose(problem, fake_measure),
+                             {'forward': 'matmul', 'input_gradient': 'convolution', 'filter_gradient': 'convolution'})
+        self.assertEqual(calls, [problem])
+
+
+class Conv2DTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.x = tf.constant(np.random.default_rng(1).normal(size=(4, 12, 12, 8)), tf.float32)
+
+    def layers(self, **kwargs):
+        """Ours and Keras's Conv2D with the same kernel."""
+        ours = convolution.Conv2D(16, 1, padding='same', use_bias=False, **kwargs)
+        theirs = keras.layers.Conv2D(16, 1, padding='same', use_bias=False)
+        ours(self.x), theirs(self.x)
+        theirs.kernel.assign(ours.kernel)
+        return ours, theirs
+
+    def test_uses_the_tuned_choice_and_equals_keras(self):
+        ours, theirs = self.layers(cpu_tuning=True)
+        problem = Problem(4, 12, 12, 8, 16, (1, 1), (1, 1), 'SAME')
+        choice = {'forward': 'matmul', 'input_gradient': 'matmul', 'filter_gradient': 'matmul'}
+        with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), \
+                mock.patch.dict(convolution._choices, {problem: choice}):
+            self.assertEqual(ours.problem(self.x), problem)
+            ops = graph_ops(ours, self.x)
+            self.assertIn('MatMul', ops)
+            self.assertFalse({'Conv2D', 'Conv2DBackpropInput', 'Conv2DBackpropFilter'} & ops, ops)
+            results = []
+            for layer in (ours, theirs):
+                with tf.GradientTape() as tape:
+                    tape.watch(self.x)
+                    y = layer(self.x)
+                    loss = tf.reduce_sum(y ** 2)
+                results.append([y, *tape.gradient(loss, [self.x, layer.kernel])])
+            for got, expected in zip(*results):
+                self.assertAllClose(got, expected, atol=1e-4, rtol=1e-5)
+
+    def test_keras_kernels_where_tuning_does_not_apply(self):
+        ours, _ = self.layers(cpu_tuning=True)
+        problem = Problem(4, 12, 12, 8, 16, (1, 1), (1, 1), 'SAME')
+        matmuls = {'forward': 'matmul', 'input_gradient': 'matmul', 'filter_gradient': 'matmul'}
+        with mock.patch.dict(convolution._choices, {problem: matmuls}):
+            self.assertIsNone(ours.problem(self.x))          # below MIN_MULTIPLY_ADDS
+            with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0):
+                self.assertIn('MatMul', graph_ops(ours, self.x))
+                untuned, _ = self.layers(cpu_tuning=False)
+                self.assertIsNone(untuned.problem(self.x))
+                self.assertNotIn('MatMul', graph_ops(untuned, self.x))
+                self.assertIsNone(ours.problem(tf.cast(self.x, tf.float64)))
+                tf_config.enable_op_determinism()
+                try:
+                    self.assertFalse(convolution.tuning_applies())
+                    self.assertNotIn('MatMul', graph_ops(ours, self.x))
+                finally:
+                    tf_config.disable_op_determinism()
+                self.assertTrue(convolution.tuning_applies())
+                with helpers.mirrored(2).scope():
+                    self.assertFalse(convolution.tuning_applies())
+
+    def test_tuned_by_default_on_a_cpu_machine(self):
+        layer = convolution.Conv2D(4, 3)
+        layer.build((None, 8, 8, 3))
+        self.assertEqual(layer._tune, not tf.config.list_physical_devices('GPU'))
+        self.assertIsNone(layer.get_config()['cpu_tuning'])   # decided where the layer is built
+
+    def test_keras_checkpoint_loads(self):
+        ours, theirs = self.layers()
+        theirs.kernel.assign(theirs.kernel + 1.0)
+        path = tf.train.Checkpoint(layer=theirs).write(os.path.join(self.get_temp_dir(), 'keras'))
+        tf.train.Checkpoint(layer=ours).read(path).assert_consumed()
+        self.assertAllEqual(ours.kernel, theirs.kernel)
+
+
+class ResNetTuningTest(tf.test.TestCase):
+
+    def test_tuned_resnet_step_equals_the_untuned_one(self):
+        """A real tuning run on a small ResNet: every convolution problem of the step is measured, and the
+        network's loss gradients equal those of the same network with Keras's convolutions."""
+        images = tf.constant(np.random.default_rng(2).uniform(0, 255, size=(4, 32, 32, 3)), tf.float32)
+        networks = [resnet.resnet(18, 10, image_size=32, tune_convolutions=tune) for tune in (True, False)]
+        networks[1].set_weights(networks[0].get_weights())
+
+        def gradients(network):
+            @tf.function
+            def step(images):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.square(network(images, training=True)))
+                return tape.gradient(loss, network.trainable_variables)
+            return step(images)
+
+        with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), \
+                mock.patch.dict(convolution._choices, clear=True):
+            tuned = gradients(networks[0])
+            problems = dict(convolution._choices)
+        expected = {Problem(4, *layer.input_shape[1:], layer.filters, layer.kernel_size, layer.strides, 'SAME')
+                    for layer in networks[0].layers if isinstance(layer, convolution.Conv2D)}
+        self.assertEqual(set(problems), expected)
+        for problem, choice in problems.items():
+            self.assertEqual(problem.batch, 4)
+            for part, name in choice.items():
+                self.assertIn(name, convolution.candidates(problem)[part])
+        for got, expected in zip(tuned, gradients(networks[1])):
+            self.assertAllClose(got, expected, atol=1e-3, rtol=1e-4)
+
+    def test_tune_network_before_training(self):
+        network = resnet.resnet(18, 10, image_size=32)
+        expected = {Problem(6, *layer.input_shape[1:], layer.filters, layer.kernel_size, layer.strides, 'SAME')
+                    for layer in network.layers if isinstance(layer, convolution.Conv2D)}
+        measured = []
+
+        def fake_measure(problem):
+            measured.append(problem)
+            return {part: {name: 1.0 + index for index, name in enumerate(names)}
+                    for part, names in convolution.candidates(problem).items()}
+
+        with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), \
+                mock.patch.object(convolution, 'measure', fake_measure), \
+                mock.patch.dict(convolution._choices, clear=True):
+            self.assertEqual(convolution.tune_network(network, 6, num_replicas=2), {})
+            tf_config.enable_op_determinism()
+            try:
+                self.assertEqual(convolution.tune_network(network, 6), {})
+            finally:
+                tf_config.disable_op_determinism()
+            self.assertEqual(measured, [])
+            choices = convolution.tune_network(network, 6)
+            self.assertEqual(set(choices), expected)
+            self.assertCountEqual(measured, expected)          # each problem once
+            self.assertTrue(all(name == 'convolution' for choice in choices.values() for name in choice.values()))
+
+
+if __name__ == '__main__':
+    tf.test.main()

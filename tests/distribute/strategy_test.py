@@ -1,0 +1,88 @@
+"""Strategies: a TPU or GPU strategy where there is none is a one-line ConfigError naming the fix (the real TPU
+attempt runs in a process of its own: main_test)."""
+
+import types
+from unittest import mock
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import helpers
+from imagenet_tpu.distribute import strategy
+from imagenet_tpu import train
+from imagenet_tpu.config import Config, ConfigError
+
+helpers.use_eight_cpus()
+
+
+def fake_strategy(*devices):
+    return types.SimpleNamespace(extended=types.SimpleNamespace(worker_devices=devices))
+
+
+def fit_one_step(distribution, jit_compile: bool) -> None:
+    with distribution.scope():
+        model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
+        model.compile(optimizer='sgd', loss='mse', jit_compile=jit_compile)
+    model.fit(np.ones((8, 3), np.float32), np.ones((8, 2), np.float32), batch_size=8, epochs=1, verbose=0)
+
+
+class StrategyTest(tf.test.TestCase):
+
+    def test_tpu_messages_name_the_fix_for_each_kind_of_failure(self):
+        no_kernel = tf.errors.NotFoundError(None, None, "TPUs not found in the cluster. Failed in initialization: "
+                                                        "No OpKernel was registered to support Op "
+                                                        "'ConfigureDistributedTPU'\nRegistered devices: [CPU]")
+        message = strategy.tpu_unreachable_message('local', no_kernel)
+        self.assertIn('install tensorflow-tpu', message)
+        self.assertIn('--strategy=cpu', message)
+        self.assertNotIn('\n', message)
+        message = strategy.tpu_unreachable_message('my-pod', OSError('Name or service not known'))
+        self.assertIn("no TPU named 'my-pod' answers", message)
+        self.assertIn('Name or service not known', message)
+        message = strategy.tpu_unreachable_message('local', RuntimeError('x' * 500))
+        self.assertLess(len(message), 400)
+
+    def test_mirrored_strategy_without_gpus(self):
+        if tf.config.list_physical_devices('GPU'):
+            self.skipTest('this machine has GPUs')
+        with self.assertRaisesRegex(ConfigError, "needs GPUs and none is visible; use --strategy=cpu"):
+            strategy.make_strategy('mirrored')
+
+    def test_xla_by_default_only_where_every_replica_is_a_gpu(self):
+        real = tf.config.list_physical_devices
+        with mock.patch.object(tf.config, 'list_physical_devices',
+                               lambda kind=None: ['GPU:0'] if kind == 'GPU' else real(kind)):
+            # A machine with a GPU running the demo's strategy: CPU replicas, so no XLA (it fails there).
+            self.assertFalse(train.use_jit(Config(), helpers.mirrored(2)))
+            self.assertTrue(train.use_jit(Config(), tf.distribute.get_strategy()))
+        gpus = [f'/job:localhost/replica:0/task:0/device:GPU:{i}' for i in range(2)]
+        self.assertTrue(strategy.xla_by_default(fake_strategy(*gpus)))
+        self.assertFalse(strategy.xla_by_default(fake_strategy(gpus[0], '/job:localhost/replica:0/task:0/device:CPU:0')))
+        self.assertFalse(train.use_jit(Config(), helpers.mirrored(2)))
+
+    def test_jit_compile_under_several_cpu_replicas_is_refused_as_tensorflow_fails_there(self):
+        # What --jit_compile meets under MirroredStrategy over logical CPUs: the first step fails.
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'Trying to access resource'):
+            fit_one_step(helpers.mirrored(2), jit_compile=True)
+        with self.assertRaisesRegex(ConfigError, '--jit_compile does not work with 2 CPU replicas in one process'):
+            train.use_jit(Config(jit_compile=True), helpers.mirrored(2))
+        # One replica, and GPUs, keep it.
+        fit_one_step(tf.distribute.get_strategy(), jit_compile=True)
+        self.assertTrue(train.use_jit(Config(jit_compile=True), tf.distribute.get_strategy()))
+        self.assertTrue(train.use_jit(Config(jit_compile=True), helpers.mirrored(1)))
+        strategy.check_jit_compile(fake_strategy('/device:GPU:0', '/device:GPU:1'))
+
+    def test_both_tpu_strategy_classes_are_tpu_strategies(self):
+        for cls in (tf.distribute.TPUStrategy, tf.distribute.experimental.TPUStrategy):
+            self.assertTrue(strategy.is_tpu_strategy(object.__new__(cls)))
+        self.assertFalse(strategy.is_tpu_strategy(helpers.mirrored(2)))
+        self.assertFalse(issubclass(tf.distribute.experimental.TPUStrategy, tf.distribute.TPUStrategy))
+
+    def test_tpu_strategy_needs_a_name(self):
+        with self.assertRaisesRegex(ConfigError, "needs --tpu=NAME"):
+            strategy.make_strategy('tpu')
+
+
+if __name__ == '__main__':
+    tf.test.main()

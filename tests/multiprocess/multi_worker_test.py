@@ -1,0 +1,211 @@
+"""MultiWorkerMirroredStrategy with two worker processes on 127.0.0.1, each with 2 logical CPU replicas: a pod
+of 2 hosts with 2 accelerators each, simulated (tools/launch/run_local_workers.py). Batch norm over groups that span
+the hosts, evaluation of every image once with two input pipelines, checkpoints written once by the chief,
+augmentations that differ between hosts; after one worker is killed mid-run, running the same command again
+continues from the last checkpoint; after SIGTERM to one worker, every worker saves the same step and the same
+command ends with the weights of an uninterrupted run."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu.distribute import cluster
+from imagenet_tpu.data import tfrecord
+
+REPO = helpers.REPO
+RUN = helpers.small_run_flags(global_batch_size=8, eval_batch_size=8, strategy='multi_worker',
+                              cpu_devices_per_worker=2, bn_group_size=4, checkpoint_every_steps=4, seed=1,
+                              log_every_steps=1, eval_every_epochs=100, deterministic=True)
+TIMEOUT = 300
+
+
+def launcher(data_dir, model_dir, steps):
+    return [sys.executable, os.path.join(REPO, 'tools', 'launch', 'run_local_workers.py'), '--num_workers=2',
+            f'--timeout={TIMEOUT - 30}', '--', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
+            f'--total_steps={steps}', *RUN]
+
+
+def environment():
+    return helpers.subprocess_environment()
+
+
+def errors(output: str) -> str:
+    """The lines of a failed run that say why, then its end."""
+    lines = [line for line in output.splitlines() if 'error' in line.lower() and 'cuInit' not in line]
+    return '\n'.join(lines[:10]) + '\n...\n' + output[-2000:]
+
+
+latest_step = helpers.latest_checkpoint_step
+
+
+class ClusterTest(tf.test.TestCase):
+
+    def test_tf_config(self):
+        workers = cluster.local_workers(2)
+        self.assertLen(set(workers), 2)
+        self.assertEqual(json.loads(cluster.tf_config(workers, 1)),
+                         {'cluster': {'worker': workers}, 'task': {'type': 'worker', 'index': 1}})
+        with self.assertRaisesRegex(ValueError, 'outside the 2 workers'):
+            cluster.tf_config(workers, 2)
+
+
+@pytest.mark.slow
+class MultiWorkerTest(tf.test.TestCase):
+
+    STEPS = 16
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.root = helpers.class_folder(cls)
+        cls.data_dir = os.path.join(cls.root, 'data')
+        # One uninterrupted run, the reference of every test below.
+        cls.reference_dir = os.path.join(cls.root, 'uninterrupted')
+        cls.reference = subprocess.run(launcher(cls.data_dir, cls.reference_dir, cls.STEPS), env=environment(),
+                                       capture_output=True, text=True, timeout=TIMEOUT)
+
+    def assert_saved_once(self, model_dir, steps):
+        """The chief's checkpoint of ``steps`` is the run's only copy: worker 1 took part in saving it (a
+        collective) and deleted its own."""
+        chief = os.path.join(model_dir, 'checkpoints')
+        self.assertEqual(latest_step(chief), steps)
+        self.assertEqual(sorted(name for name in os.listdir(model_dir) if 'worker' in name), [])
+        variables = helpers.checkpoint_variables(chief)
+        self.assertTrue(any(np.any(value != 0) for name, value in variables.items() if 'kernel' in name))
+
+    def signal_worker_1(self, model_dir, log_path, signum, after_step) -> int:
+        """Starts the two workers, sends ``signum`` to worker 1 once the chief has a checkpoint at ``after_step`` or
+        later, and returns the launcher's exit status (the output goes to ``log_path``)."""
+        with open(log_path, 'w') as log:
+            process = subprocess.Popen(launcher(self.data_dir, model_dir, self.STEPS), env=environment(), stdout=log,
+                                       stderr=subprocess.STDOUT, text=True)
+            deadline = time.time() + TIMEOUT
+            while latest_step(os.path.join(model_dir, 'checkpoints')) < after_step:
+                self.assertIsNone(process.poll(), 'the workers ended before the signal')
+                self.assertLess(time.time(), deadline)
+                time.sleep(0.1)
+            with open(log_path) as f:
+                text = f.read()
+            found = re.search(r'worker 1 pid (\d+)', text)
+            self.assertIsNotNone(found, text[-3000:])
+            os.kill(int(found.group(1)), signum)
+            return process.wait(TIMEOUT)
+
+    def test_two_hosts_of_two_replicas_train_together_evaluate_every_image_once_and_save_once(self):
+        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        for index in range(2):
+            self.assertIn(f'[worker {index}] 10-layer ResNet, 4 replicas', self.reference.stdout)
+        self.assert_saved_once(self.reference_dir, self.STEPS)
+        with open(os.path.join(self.reference_dir, 'results.json')) as f:
+            self.assertEqual(json.load(f)['eval_images'], 20)
+
+    def test_a_killed_then_a_preempted_worker_and_the_same_command_each_time(self):
+        model_dir = os.path.join(self.root, 'interrupted')
+        # 1. kill -9 of worker 1: the launcher stops worker 0; the same command resumes both from the chief's
+        # last checkpoint.
+        killed_log = os.path.join(self.root, 'killed.log')
+        self.assertEqual(self.signal_worker_1(model_dir, killed_log, signal.SIGKILL, 4), 128 + signal.SIGKILL)
+        with open(killed_log) as f:
+            text = f.read()
+        self.assertIn('worker 1 exited with status -9; stopping the others', text)
+        reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch [\d.]+ step (\d+)/', text))
+        # 2. The same command; SIGTERM to worker 1: every worker saves the same step and exits with 143, and so
+        # does the launcher ("run again").
+        preempted_log = os.path.join(self.root, 'preempted.log')
+        self.assertEqual(self.signal_worker_1(model_dir, preempted_log, signal.SIGTERM, 12), 143)
+        with open(preempted_log) as f:
+            text = f.read()
+        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', text)]
+        self.assertLen(resumed, 2, errors(text))       # both workers, from the chief's checkpoint
+        self.assertEqual(resumed[0], resumed[1])
+        self.assertBetween(reached - resumed[0], 0, 4 + 1)
+        first_resume = resumed[0]
+        saved = [int(step) for step in re.findall(r'\[worker \d\] preemption: every worker saved step (\d+)', text)]
+        self.assertLen(saved, 2, errors(text))
+        self.assertEqual(saved[0], saved[1])
+        self.assertBetween(saved[0], 12, self.STEPS - 1)
+        self.assertNotIn('Traceback', text)
+        self.assert_saved_once(model_dir, saved[0])
+        # 3. The same command: both resume at the saved step and finish.
+        process = subprocess.run(launcher(self.data_dir, model_dir, self.STEPS), env=environment(),
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(process.returncode, 0, errors(process.stdout))
+        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
+        self.assertEqual(resumed, [saved[0], saved[0]])
+        self.assert_saved_once(model_dir, self.STEPS)
+        print(f'worker 1 killed with worker 0 at step {reached}; both resumed at step {first_resume}; preempted, '
+              f'every worker saved step {saved[0]}')
+        # Against the uninterrupted run: weights and optimizer slots exactly; batch-norm moving statistics,
+        # which each replica keeps and a checkpoint stores as their mean, to float32 rounding of the tensor's scale.
+        interrupted = helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
+        reference = helpers.checkpoint_variables(os.path.join(self.reference_dir, 'checkpoints'))
+        compared = 0
+        for name, value in reference.items():
+            if name.startswith(('save_counter', 'checkpointed_runs')) or name not in interrupted:
+                continue
+            difference = np.max(np.abs(interrupted[name].astype(np.float64) - value))
+            if '/moving_' in name:
+                self.assertLess(difference / max(np.max(np.abs(value)), 1e-3), 1e-5, name)
+            else:
+                self.assertEqual(difference, 0.0, name)
+            compared += 1
+        self.assertGreater(compared, 50)
+
+
+@pytest.mark.slow
+class PodWorkerTest(tf.test.TestCase):
+    """tests/multiprocess/pod_worker.py in two worker processes of 2 replicas each: what each host's replicas compute and
+    receive, against NumPy and against the other host."""
+
+    def test_groups_span_hosts_each_host_augments_its_own_way_and_evaluation_is_exact(self):
+        root = tempfile.mkdtemp(prefix='pod-', dir=self.get_temp_dir())
+        data_dir = os.path.join(root, 'identical_shards')
+        # Both training shards hold the same 24 records, so each host's pipeline reads the same records: the
+        # images its replicas receive may repeat the other host's only if both draw the same augmentations.
+        helpers.write_dataset(data_dir, num_train=24, train_shards=1, num_validation=20, validation_shards=2)
+        first = os.path.join(data_dir, tfrecord.shard_name(tfrecord.TRAIN, 0, 1))
+        for shard in range(2):
+            shutil.copy(first, os.path.join(data_dir, tfrecord.shard_name(tfrecord.TRAIN, shard, 2)))
+        os.remove(first)
+        workers = cluster.local_workers(2)
+        reports = [os.path.join(root, f'report-{index}.json') for index in range(2)]
+        processes = [subprocess.Popen([sys.executable, os.path.join(REPO, 'tests', 'multiprocess', 'pod_worker.py'), reports[index],
+                                       data_dir], env=dict(environment(), TF_CONFIG=cluster.tf_config(workers, index)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for index in range(2)]
+        outputs = [process.communicate(timeout=TIMEOUT)[0] for process in processes]
+        for process, output in zip(processes, outputs):
+            self.assertEqual(process.returncode, 0, errors(output))
+        results = []
+        for path in reports:
+            with open(path) as f:
+                results.append(json.load(f))
+        for result in results:
+            self.assertEqual(result['replicas'], 4)
+            # Groups of 4 span both hosts; groups of 2 are each host's own replicas.
+            self.assertLess(result['batch_norm']['4'], 1e-4)
+            self.assertLess(result['batch_norm']['2'], 1e-4)
+        # Every validation image once, over the two hosts' pipelines, and nothing else with weight.
+        evaluated = results[0]['eval'] + results[1]['eval']
+        self.assertLen(evaluated, 20)
+        self.assertLen(set(evaluated), 20)
+        self.assertEqual(results[0]['eval_weight'] + results[1]['eval_weight'], 20.0)
+        # A data epoch of each host: 24 images each, the same 24 records underneath.
+        shared = len(set(results[0]['train']) & set(results[1]['train']))
+        self.assertLen(results[1]['train'], 24)
+        self.assertLess(shared / 24, 0.10, f'{shared} of 24 images the same on both hosts')
+
+
+if __name__ == '__main__':
+    tf.test.main()

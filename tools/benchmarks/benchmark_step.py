@@ -1,0 +1,120 @@
+"""Training images/s of our ResNet-50 step against keras.applications' ResNet50 (tf_keras) and tf-models-official's
+ResNet-50 (official.vision backbone + classification head), on the same synthetic batch, batch size, image size,
+optimizer (momentum SGD, no weight decay) and precision, timed in alternating rounds in one run. Also our network
+with Keras's fused batch norm instead of imagenet_tpu.cpu.batch_norm.BatchNormalization (ours_keras_bn, on request), with Keras's
+convolutions instead of the tuned convolution.Conv2D (ours_keras_conv, on request), and with LARS
+and batch_norm.GroupBatchNormalization, to show what they cost.
+
+Every model is trained by the same classifier.Classifier step, so only the networks differ. keras.applications'
+ResNet50 is v1 (stride on the first 1x1 convolution: 3.86 GMAC per 224x224 image); ours and tf-models-official's
+are v1.5 (stride on the 3x3: 4.09 GMAC): besides images/s the ratios are also given per multiply-add
+(GMAC-normalised), scaled by (image_size / 224)^2. Peak memory is the process's peak RSS after each model's warm-up
+(models are built in order, so each figure bounds that model's addition).
+The last line printed is one JSON object with all figures. tf-models-official is the `peer` extra (BUILD.md);
+without it that model is skipped and said so.
+
+    python tools/benchmarks/benchmark_step.py --image_size=128 --batch_size=32          # this CPU machine
+    python tools/benchmarks/benchmark_step.py --image_size=224 --batch_size=256 --precision=mixed_bfloat16 --jit_compile
+"""
+
+import json
+import resource
+
+from absl import app, flags
+
+import step_timing  # pylint: disable=wrong-import-position
+
+GMAC_224 = {'ours': 4.09, 'ours_keras_bn': 4.09, 'ours_keras_conv': 4.09, 'ours_lars_groupbn': 4.09,
+            'keras_applications': 3.86,
+            'tf_models_official': 4.09}
+
+
+def define_flags():
+    flags.DEFINE_integer('image_size', 128, 'Image side, in pixels (224 on an accelerator).')
+    flags.DEFINE_integer('batch_size', 32, 'Images per step.')
+    flags.DEFINE_enum('precision', 'float32', ['float32', 'mixed_bfloat16', 'mixed_float16'], 'Compute precision.')
+    flags.DEFINE_bool('jit_compile', False, 'XLA-compile every train step.')
+    flags.DEFINE_integer('steps', 3, 'Timed steps per round.')
+    flags.DEFINE_integer('rounds', 5, 'Alternating rounds.')
+    flags.DEFINE_list('models', ['ours', 'keras_applications', 'tf_models_official', 'ours_lars_groupbn'],
+                      'Models to time; the first is the base of the ratios.')
+
+
+def build_network(name, image_size):
+    import tf_keras as keras
+    from imagenet_tpu.model import batch_norm
+    from imagenet_tpu.model import resnet
+    if name == 'ours':
+        return resnet.resnet(50, 1000, image_size=image_size)
+    if name == 'ours_keras_bn':   # Keras's fused batch norm instead of imagenet_tpu.cpu.batch_norm.BatchNormalization
+        return resnet.resnet(50, 1000, image_size=image_size, norm=lambda layer_name, zero_gamma: (
+            keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=layer_name,
+                                            gamma_initializer='zeros' if zero_gamma else 'ones')))
+    if name == 'ours_keras_conv':   # Keras's convolutions, untuned, instead of convolution.Conv2D's
+        return resnet.resnet(50, 1000, image_size=image_size, tune_convolutions=False)
+    if name == 'ours_lars_groupbn':
+        return resnet.resnet(50, 1000, image_size=image_size, norm=batch_norm.group_batch_norm_factory(1))
+    if name == 'keras_applications':
+        return keras.applications.ResNet50(weights=None, input_shape=(image_size, image_size, 3), classes=1000,
+                                           classifier_activation=None)
+    if name == 'tf_models_official':
+        from official.vision.modeling import classification_model
+        from official.vision.modeling.backbones import resnet as tfm_resnet
+        inputs = keras.layers.InputSpec(shape=[None, image_size, image_size, 3])
+        backbone = tfm_resnet.ResNet(model_id=50, input_specs=inputs)
+        return classification_model.ClassificationModel(backbone, num_classes=1000, input_specs=inputs)
+    raise ValueError(f'unknown model {name!r}')
+
+
+def main(argv):
+    del argv
+    step_timing.environment()
+    f = flags.FLAGS
+    import tf_keras as keras
+    from imagenet_tpu.model import classifier as classifier_lib
+    from imagenet_tpu.data import pipeline as input_pipeline
+    from imagenet_tpu.optim import lars
+    from imagenet_tpu import train
+    from imagenet_tpu.config import Config
+    config = Config(image_size=f.image_size, global_batch_size=f.batch_size, num_classes=1000,
+                    precision=f.precision)
+    data = input_pipeline.synthetic_dataset(config)
+    runners, peak_rss_mb, skipped = {}, {}, {}
+    for name in f.models:
+        keras.utils.set_random_seed(0)
+        try:
+            with train.mixed_precision_policy(f.precision):
+                network = build_network(name, f.image_size)
+        except ImportError as error:
+            skipped[name] = f'{type(error).__name__}: {error}'
+            print(f'skipping {name}: {skipped[name]} (install the peer extra)')
+            continue
+        optimizer = (lars.LARS(1.0, momentum=0.9, weight_decay=1e-4) if name == 'ours_lars_groupbn'
+                     else keras.optimizers.SGD(0.1, momentum=0.9))
+        if f.precision == 'mixed_float16':
+            optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+        classifier = classifier_lib.Classifier(network, global_batch_size=f.batch_size)
+        classifier.compile(optimizer=optimizer, jit_compile=f.jit_compile)
+        iterator = iter(data)
+        print(f'warming up {name} ({network.count_params():,} parameters) ...', flush=True)
+        step_timing.warm_up(classifier, iterator)
+        runners[name] = (classifier, iterator)
+        peak_rss_mb[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    times = step_timing.time_rounds(runners, f.steps, f.rounds)
+    base = next(iter(runners))
+    summary = step_timing.summarize(times, base, f.batch_size)
+    scale = (f.image_size / 224) ** 2
+    gmac_per_second = {n: summary['images_per_second'][n] * GMAC_224[n] * scale for n in runners}
+    summary['gmac_per_second'] = {n: round(v, 1) for n, v in gmac_per_second.items()}
+    summary[f'gmac_normalised_ratio_to_{base}'] = {n: round(v / gmac_per_second[base], 4)
+                                                   for n, v in gmac_per_second.items()}
+    for name in runners:
+        print(f'{name}: {gmac_per_second[name]:.1f} GMAC/s, {gmac_per_second[name] / gmac_per_second[base]:.3f}x '
+              f'{base} per multiply-add; peak RSS after warm-up {peak_rss_mb[name]:,.0f} MB')
+    print(json.dumps({'image_size': f.image_size, 'batch_size': f.batch_size, 'precision': f.precision,
+                      'jit_compile': f.jit_compile, **summary, 'peak_rss_mb': peak_rss_mb, 'skipped': skipped}))
+
+
+if __name__ == '__main__':
+    define_flags()
+    app.run(main)
