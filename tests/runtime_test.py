@@ -76,7 +76,7 @@ class FreshProcessTest(tf.test.TestCase):
         self.assertEqual('import imagenet_tpu first' in process.stderr, X86 and not onednn_on, process.stderr)
 
     def test_command_line_starts_without_the_cuinit_line_and_still_shows_errors(self):
-        process = run_python('import sys; from imagenet_tpu import main; sys.argv = ["imagenet-tpu-train", '
+        process = run_python('import sys; from imagenet_tpu.commands import train as main; sys.argv = ["imagenet-tpu-train", '
                              '"--synthetic_data", "--depth=10", "--image_size=16", "--global_batch_size=3", '
                              '"--strategy=cpu", "--num_cpu_devices=2"]; main.run()')
         self.assertEqual(process.returncode, 2, process.stderr[-2000:])
