@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from imagenet_tpu.errors import ConfigError
 
 __all__ = ['Config', 'ConfigError', 'SECTIONS', 'settings', 'RESNET_DEPTHS', 'RESIZE_METHODS',
-           'BN_INFERENCE_STATISTICS', 'SERVICE_MODES', 'tpu_slice']
+           'BN_INFERENCE_STATISTICS', 'SERVICE_MODES', 'tpu_slice', 'parse_topology', 'Topology']
 
 SECTIONS = ('data', 'model', 'optimization', 'distribution', 'run')
 
@@ -55,6 +55,17 @@ def parse_mesh_shape(text: Optional[str]) -> Optional[Tuple[int, int]]:
 # v6e slices of up to 8 chips are one host, larger ones 4 chips per host. (Cloud TPU's system architecture pages.)
 TPU_GENERATIONS = {'v2': ('cores', 2, 4), 'v3': ('cores', 2, 4), 'v4': ('cores', 2, 4), 'v5p': ('cores', 2, 4),
                    'v5e': ('chips', 1, 4), 'v5litepod': ('chips', 1, 4), 'v6e': ('chips', 1, 4)}
+GPU_MODELS = ('V100', 'A100', 'H100', 'H200', 'L40S', 'A30')     # --topology=[NODESx]GPUSxMODEL (plan/hardware.py)
+
+
+class Topology(typing.NamedTuple):
+    """What --topology names: ``chip`` ('v3', 'A100', 'cpu', ...), ``chips``, ``hosts``, and ``replicas`` (TPU
+    devices: 2 per chip on v2/v3, 1 on later TPUs; one per GPU; one per logical CPU device)."""
+    kind: str          # 'tpu', 'gpu' or 'cpu'
+    chip: str
+    chips: int
+    hosts: int
+    replicas: int
 
 
 def tpu_slice(name: str) -> Tuple[str, int, int]:
@@ -62,7 +73,7 @@ def tpu_slice(name: str) -> Tuple[str, int, int]:
     generation, _, count = name.strip().lower().partition('-')
     if generation not in TPU_GENERATIONS or not count.isdigit() or int(count) < 1:
         raise ConfigError(f'--topology must name a TPU slice such as v3-1024 or v4-128 (generations: '
-                          f'{", ".join(TPU_GENERATIONS)}), got {name!r}')
+                          f'{", ".join(TPU_GENERATIONS)}), or GPUs as 8xH100 or 32x8xA100, or cpu; got {name!r}')
     unit, cores_per_chip, chips_per_host = TPU_GENERATIONS[generation]
     chips = int(count) // cores_per_chip if unit == 'cores' else int(count)
     if chips < 1 or (unit == 'cores' and int(count) % cores_per_chip):
@@ -70,6 +81,24 @@ def tpu_slice(name: str) -> Tuple[str, int, int]:
     single_host_chips = 8 if unit == 'chips' else chips_per_host
     hosts = 1 if chips <= single_host_chips else -(-chips // chips_per_host)
     return generation, chips, hosts
+
+
+def parse_topology(name: str) -> Topology:
+    """A TPU slice ('v3-1024'), GPUs ('8xH100': one host; '32x8xA100': 32 hosts of 8), or logical CPU devices
+    ('cpu': one; '4xcpu', '2x2xcpu': 2 hosts of 2). ConfigError for anything else."""
+    parts = name.strip().split('x')
+    model = parts[-1]
+    counts = parts[:-1]
+    if model.lower() == 'cpu' or model.upper() in GPU_MODELS:
+        if len(counts) > 2 or not all(count.isdigit() and int(count) > 0 for count in counts):
+            raise ConfigError(f'--topology={name}: write GPUs as 8xH100 or 32x8xA100 (hosts x per host x model)')
+        hosts, per_host = (1, int(counts[0]) if counts else 1) if len(counts) < 2 else (int(counts[0]), int(counts[1]))
+        kind = 'cpu' if model.lower() == 'cpu' else 'gpu'
+        chip = 'cpu' if kind == 'cpu' else next(m for m in GPU_MODELS if m == model.upper())
+        return Topology(kind, chip, hosts * per_host, hosts, hosts * per_host)
+    generation, chips, hosts = tpu_slice(name)
+    replicas = chips * (TPU_GENERATIONS[generation][1] if generation in ('v2', 'v3') else 1)
+    return Topology('tpu', generation, chips, hosts, replicas)
 
 
 SERVICE_PROTOCOL = 'grpc'
@@ -247,9 +276,10 @@ class Config:
         1, "Logical CPU devices (replicas) of each worker of --strategy=multi_worker on machines without GPUs: "
         "several workers on one machine then stand for a pod of several accelerators per host.", minimum=1)
     tpu: str = distribution('', "TPU name, or 'local' on a TPU VM (one host: a pod slice must be named).")
-    topology: str = distribution('', 'TPU slice the run is written for (v3-1024, v4-128, v5litepod-256, ...): a TPU '
-                                     'that shows fewer hosts stops the run at start, and --tpu=local is refused '
-                                     'for a slice of several hosts.')
+    topology: str = distribution('', 'Hardware the run is written for: a TPU slice (v3-1024, v4-128, v5litepod-256), '
+                                     'GPUs (8xH100, 32x8xA100) or cpu. On TPU, a slice that shows fewer hosts stops '
+                                     'the run at start, and --tpu=local is refused for a slice of several hosts; '
+                                     'imagenet-tpu-plan plans for it.')
 
     # Run.
     model_dir: Optional[str] = run(None, 'Checkpoints, TensorBoard logs and results.json; a run restarted with the '
@@ -292,15 +322,15 @@ class Config:
             raise ConfigError('--precision=mixed_float16 needs loss scaling, which TPUStrategy does not support '
                               '(tf_keras refuses it at the first step): use --precision=mixed_bfloat16 on TPU')
         if self.topology:
-            tpu_slice(self.topology)
+            parse_topology(self.topology)
         if self.topology and self.strategy == 'tpu' and self.tpu == 'local' and self.topology_hosts > 1:
             raise ConfigError(f'--topology={self.topology} spans {self.topology_hosts} hosts but --tpu=local sees '
                               'only this host: name the pod slice with --tpu=NAME')
 
     @property
     def topology_hosts(self) -> int:
-        """Hosts of the --topology slice (0 when none is set)."""
-        return tpu_slice(self.topology)[2] if self.topology else 0
+        """Hosts of the --topology hardware (0 when none is set)."""
+        return parse_topology(self.topology).hosts if self.topology else 0
 
     def to_json(self) -> str:
         """Every setting as a JSON object (model_dir/config.json: what the evaluation command starts from)."""

@@ -225,13 +225,29 @@ def use_jit(config: Config, strategy: tf.distribute.Strategy) -> bool:
 
 
 def steps_per_execution(config: Config, strategy: tf.distribute.Strategy) -> int:
+    """Steps run per host call (default_steps_per_execution for the strategy's kind)."""
+    return default_steps_per_execution(config, strategy_lib.is_tpu_strategy(strategy))
+
+
+def default_steps_per_execution(config: Config, on_tpu: bool) -> int:
     """Steps run per host call: as configured, else 100 on TPU (each call is a host round trip), capped by an
     epoch, and 1 elsewhere."""
     if config.steps_per_execution:
         return config.steps_per_execution
-    if strategy_lib.is_tpu_strategy(strategy):
+    if on_tpu:
         return min(100, config.steps_per_epoch)
     return 1
+
+
+def planned_evaluations(config: Config) -> int:
+    """Evaluations a fresh run does: those of its model.fit calls (checkpointing.fit_segments, Keras validating
+    after every epoch e with (e + 1) % eval_every_epochs == 0) and the final one; none on synthetic data."""
+    if config.synthetic_data:
+        return 0
+    during = sum((epoch + 1) % config.eval_every_epochs == 0
+                 for segment in checkpointing.fit_segments(0, config.train_steps, config.steps_per_epoch)
+                 for epoch in range(segment.initial_epoch, segment.epochs))
+    return during + 1
 
 
 def check_replicas(config: Config, num_replicas: int) -> None:
@@ -346,7 +362,7 @@ def fit(config: Config, classifier: classifier_lib.Classifier, strategy: tf.dist
     eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     validate = eval_data is not None and config.eval_every_epochs
     sigterm = next((c for c in callbacks if isinstance(c, checkpointing.SaveOnSigterm)), None)
-    train_loss, images_per_second = float('nan'), 0.0
+    train_loss, images_per_second, evaluations = float('nan'), 0.0, 0
     for segment in checkpointing.fit_segments(start_step, config.train_steps, config.steps_per_epoch):
         step = _step(classifier)
         if step != start_step:   # a later fit call: the stream must continue where the last one stopped
@@ -378,8 +394,10 @@ def fit(config: Config, classifier: classifier_lib.Classifier, strategy: tf.dist
         if history and history.history.get('loss'):
             train_loss = history.history['loss'][-1]
             images_per_second = history.history['images_per_second'][-1]
+        if history:
+            evaluations += len(history.history.get('val_loss', []))
     return {'steps': _step(classifier), 'train_loss': float(train_loss),
-            'images_per_second': float(images_per_second)}
+            'images_per_second': float(images_per_second), 'evaluations': evaluations}
 
 
 def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy,
@@ -398,6 +416,16 @@ def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf
                  f'{config.num_eval_images}; set it to the size of the validation set (or see the skipped '
                  'bad records above)')
     return results
+
+
+def run_counts(config: Config, strategy: tf.distribute.Strategy) -> dict:
+    """What the run was made of (results.json; imagenet-tpu-plan predicts the same counts): replicas, input
+    pipelines, images per replica and per batch-norm group."""
+    replicas = strategy.num_replicas_in_sync
+    per_replica = config.global_batch_size // replicas
+    group = config.bn_group_size_for(replicas) if config.norm != 'none' else 1
+    return {'replicas': replicas, 'input_pipelines': strategy_lib.num_input_pipelines(strategy),
+            'per_replica_batch': per_replica, 'bn_group_images': group * per_replica}
 
 
 def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy] = None, print_fn=print) -> dict:
@@ -433,7 +461,9 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
         results = fit(config, classifier, strategy, train_data, eval_data, callbacks, skip_counts)
         if eval_data is not None:
             results.update(evaluate(config, classifier, strategy, eval_data, callbacks, print_fn))
+            results['evaluations'] += 1
     results.update(skip_counts.totals())
+    results.update(run_counts(config, strategy))
 
     if config.model_dir and chief and config.export_saved_model:
         path = os.path.join(config.model_dir, 'saved_model')

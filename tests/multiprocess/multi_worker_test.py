@@ -5,6 +5,7 @@ augmentations that differ between hosts; after one worker is killed mid-run, run
 continues from the last checkpoint; after SIGTERM to one worker, every worker saves the same step and the same
 command ends with the weights of an uninterrupted run."""
 
+import dataclasses
 import json
 import os
 import re
@@ -15,12 +16,16 @@ import sys
 import tempfile
 import time
 
+from absl import flags
+from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import helpers
+from imagenet_tpu.commands import common
 from imagenet_tpu.distribute import cluster
+from imagenet_tpu.plan import planner
 from imagenet_tpu.data import tfrecord
 
 REPO = helpers.REPO
@@ -109,6 +114,24 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assert_saved_once(self.reference_dir, self.STEPS)
         with open(os.path.join(self.reference_dir, 'results.json')) as f:
             self.assertEqual(json.load(f)['eval_images'], 20)
+
+    def reference_config(self, **overrides):
+        """The reference run's settings as its command line gives them."""
+        common.define_flags()
+        with flagsaver.flagsaver():
+            flags.FLAGS(['imagenet-tpu-train', f'--data_dir={self.data_dir}', f'--total_steps={self.STEPS}', *RUN])
+            return dataclasses.replace(common.config_from_flags(), **overrides)
+
+    def test_the_plan_counts_what_the_run_did(self):
+        # The planner on the simulated pod's topology (2 hosts of 2 logical CPU devices) and the run itself: every
+        # count both have. The CPU's peak is given: no count depends on it.
+        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        with open(os.path.join(self.reference_dir, 'results.json')) as f:
+            run = json.load(f)
+        planned = planner.plan(self.reference_config(topology='2x2xcpu'), cpu_peak_tflops=0.1)
+        for count in ('replicas', 'input_pipelines', 'per_replica_batch', 'bn_group_images', 'steps', 'evaluations'):
+            self.assertEqual(planned[count], run[count], count)
+        self.assertEqual((run['replicas'], run['input_pipelines'], run['bn_group_images']), (4, 2, 8))
 
     def test_a_killed_then_a_preempted_worker_and_the_same_command_each_time(self):
         model_dir = os.path.join(self.root, 'interrupted')

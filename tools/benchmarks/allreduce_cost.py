@@ -18,21 +18,12 @@ import math
 
 from absl import app, flags
 
-from imagenet_tpu.distribute import collectives  # pylint: disable=wrong-import-position
+from imagenet_tpu.distribute import collectives
+from imagenet_tpu.plan.model import ring_seconds, torus_seconds   # the planner's cost model, one source
 
 RESNET50_PARAMETERS = 25_557_032
 TPU_V3_BANDWIDTH = 340e12 / 1024          # bytes/s of all-reduce bandwidth per chip
 CHIP_COUNTS = tuple(2 ** p for p in range(3, 13))   # 8 ... 4096
-
-
-def ring_seconds(chips, message_bytes, buckets, hop_latency, bandwidth):
-    return buckets * 2 * (chips - 1) * hop_latency + 2 * (chips - 1) / chips * message_bytes / bandwidth
-
-
-def torus_seconds(mesh, message_bytes, buckets, hop_latency, bandwidth):
-    x, y = mesh
-    chips = x * y
-    return buckets * 2 * (x + y - 2) * hop_latency + 2 * (chips - 1) / chips * message_bytes / bandwidth
 
 
 def table(parameters=RESNET50_PARAMETERS, hop_latency=1e-6, bandwidth=TPU_V3_BANDWIDTH,
