@@ -203,3 +203,35 @@ def assert_same_training(test, reference: list, other: list, initial: list, *, a
         if max_update_error is not None and change > 0:
             test.assertLess(np.linalg.norm((b - w0) - (a - w0)) / change, max_update_error,
                             f'change of weight {index} {msg}')
+
+
+def numpy_batch_norm(x, upstream, gamma, beta, epsilon):
+    """Output, input gradient of sum(y * upstream), batch mean and (biased) variance over axes 0..2."""
+    axes = (0, 1, 2)
+    n = np.prod([x.shape[a] for a in axes])
+    mean, variance = x.mean(axes), x.var(axes)
+    normalized = (x - mean) / np.sqrt(variance + epsilon)
+    y = gamma * normalized + beta
+    dnormalized = upstream * gamma
+    dx = (dnormalized - dnormalized.sum(axes) / n - normalized * (dnormalized * normalized).sum(axes) / n)
+    return y, dx / np.sqrt(variance + epsilon), mean, variance
+
+
+def run_layer(layer, x, upstream, strategy):
+    """One training-mode call on each replica: (outputs, input gradients, local moving mean, moving variance)."""
+    distributed = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (tf.constant(x[ctx.replica_id_in_sync_group]), tf.constant(upstream[ctx.replica_id_in_sync_group])))
+
+    @tf.function
+    def step(inputs):
+        def replica_fn(batch, weights):
+            with tf.GradientTape() as tape:
+                tape.watch(batch)
+                y = layer(batch, training=True)
+                loss = tf.reduce_sum(tf.cast(y, tf.float32) * weights)
+            return y, tape.gradient(loss, batch)
+        return strategy.run(replica_fn, args=inputs)
+
+    y, dx = step(distributed)
+    local = lambda v: np.stack([np.asarray(t, np.float32) for t in strategy.experimental_local_results(v)])
+    return local(y), local(dx), local(layer.moving_mean), local(layer.moving_variance)
