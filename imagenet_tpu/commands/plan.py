@@ -7,7 +7,11 @@ topology, from the same Config and code as training (imagenet_tpu/plan/).
 
 --topology: a TPU slice (v3-8, v3-1024, v4-128, v5p-256, v5litepod-256), GPUs (8xH100: one host of 8;
 32x8xA100: 32 hosts of 8; V100, A100, H100, H200, L40S, A30) or cpu ('cpu', '2x2xcpu': logical devices of this
-machine). The model and its calibration against published MLPerf runs: docs/design.md, docs/benchmarks.md.
+machine). Besides every training flag:
+  --json               print the plan as one JSON object
+  --to_accuracy=0.759  also the epochs (MLPerf's reference points) and minutes to 75.9% top-1 at this batch
+  --scaling=PATH.png   images/s and time to train against chips for this chip, with the published runs
+The model and its calibration against published MLPerf runs: docs/design.md, docs/benchmarks.md.
 """
 
 import json
