@@ -162,7 +162,7 @@ class Config:
                                unit='records', minimum=1)
     interleave_cycle_length: int = data(16, 'Training files read at once (in parallel, ahead of the one in use) by '
                                         'each input pipeline.', minimum=1)
-    read_buffer_mb: float = data(8.0, 'Read buffer of each open TFRecord file.', unit='MiB')
+    read_buffer_mb: float = data(8.0, 'Read buffer of each open TFRecord file.', unit='MiB', minimum=0)
     input_threads: int = data(0, "Threads of each input pipeline's private pool (0: TensorFlow's shared pool).",
                               minimum=0)
     input_cache: str = data('none', 'Keep the training set in memory: encoded records, or decoded images (small '
@@ -293,6 +293,15 @@ class Config:
                                unit='steps', minimum=0)
     seed: Optional[int] = run(None, 'Seed of initialization and of the data order (None: random initialization; '
                                     'the data order then uses seed 0, so a resumed run continues it).')
+    termination_grace_seconds: float = run(25.0, 'After SIGTERM, training saves at the end of the current step and '
+                                           'exits with status 143; if no step ends within this time (a stalled '
+                                           'input, a peer that does not answer), the process exits without saving '
+                                           '(the checkpoints written are intact). Below the 30 s notice of cloud '
+                                           'VMs and Kubernetes.', unit='seconds', minimum=0)
+    input_timeout_minutes: float = run(30.0, 'A run in which no training or evaluation step ends for this long '
+                                             '(the input yields nothing: a stalled file system or tf.data service) '
+                                             'stops with an error naming its input (0: waits forever).',
+                                       unit='minutes', minimum=0)
     deterministic: bool = run(False, 'Reproducible runs: deterministic TensorFlow ops and record order, so a run '
                                      'resumed after a crash ends with the same weights as an uninterrupted one '
                                      '(slower input on slow file systems).')

@@ -30,6 +30,10 @@ class TrainingDiverged(RunError):
     """The training loss became NaN or infinite."""
 
 
+class StepError(RunError):
+    """The training or evaluation step itself failed (not its input): a setting the device cannot run."""
+
+
 class InputEnded(RunError):
     """The training stream, which is endless, ended before the last step of a fit call."""
 

@@ -12,11 +12,13 @@ import csv
 import json
 import os
 import re
-from typing import List, Optional
+import typing
+from typing import List, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
+from imagenet_tpu import config as config_lib
 from imagenet_tpu import train
 from imagenet_tpu.config import Config
 from imagenet_tpu.data import labels
@@ -26,21 +28,83 @@ from imagenet_tpu.model import batch_norm
 from imagenet_tpu.training import callbacks
 from imagenet_tpu.training import checkpointing
 
+MODEL_FILE = 'model.json'      # the model-defining settings checkpointing.check_model_settings guards
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in ``path`` (``what`` it holds, for the message); CheckpointError naming the file when it
+    cannot be read, is not UTF-8 JSON, or holds another kind of value."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            value = json.loads(f.read())
+    except UnicodeDecodeError:
+        raise CheckpointError(f'{path} is damaged: not UTF-8 text') from None
+    except ValueError as error:     # json.JSONDecodeError: cut short, or not JSON at all
+        raise CheckpointError(f'{path} is damaged: not valid JSON ({_first_line(error)})') from None
+    except (tf.errors.OpError, OSError) as error:
+        raise CheckpointError(f'cannot read {path} ({type(error).__name__}: {_first_line(error)})') from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f'{path} is damaged: a JSON {type(value).__name__}, not an object of {what}')
+    return value
+
+
+def _check_setting_types(path: str, values: dict) -> None:
+    """CheckpointError naming the first setting of ``values`` (a run's config.json) whose JSON type is not the
+    field's (an int for a float is fine; null only for an Optional field)."""
+    hints = typing.get_type_hints(Config)
+    kinds = {field.name: kind for field, kind in config_lib.settings()}
+    for name, value in values.items():
+        if name not in kinds:
+            continue        # a setting of another version (Config.from_json leaves it out)
+        kind, is_tuple = kinds[name], typing.get_origin(kinds[name]) is tuple
+        if value is None:
+            fits = type(None) in typing.get_args(hints[name])
+        elif is_tuple:
+            fits = isinstance(value, list)
+        elif kind is float:
+            fits = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is int:
+            fits = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            fits = isinstance(value, kind)
+        if not fits:
+            expected = 'a list' if is_tuple else f'a {getattr(kind, "__name__", kind)}'
+            raise CheckpointError(f'{path} is damaged: {name} is {value!r}, not {expected}')
+
 
 def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
-    """The Config a run trained with (MODEL_DIR/config.json), with ``overrides`` applied."""
+    """The Config a run trained with (MODEL_DIR/config.json), with ``overrides`` applied. CheckpointError naming
+    the file when it is damaged: not JSON, not an object of settings, or settings that do not make a Config."""
     path = os.path.join(model_dir, checkpointing.CONFIG_FILE)
     if not tf.io.gfile.exists(path):
         raise CheckpointError(f'--model_dir {model_dir} has no {checkpointing.CONFIG_FILE}: not a run of this '
                               'package, or one from before it wrote one (pass the run\'s flags, e.g. its --flagfile)')
-    with tf.io.gfile.GFile(path) as f:
-        return Config.from_json(f.read(), {**(overrides or {}), 'model_dir': model_dir})
+    values = read_json_object(path, 'settings')
+    _check_setting_types(path, values)
+    text = json.dumps(values)
+    try:
+        return Config.from_json(text, {**(overrides or {}), 'model_dir': model_dir})
+    except (TypeError, ValueError) as error:     # ConfigError is a ValueError
+        try:
+            Config.from_json(text)
+        except (TypeError, ValueError) as saved_error:
+            raise CheckpointError(f'{path} holds settings that do not load: {_first_line(saved_error)}') from None
+        raise error     # the file's settings load alone: the overrides are what does not work
 
 
 def select_checkpoints(model_dir: str, which: str) -> List[str]:
     """Paths of the checkpoints ``which`` names ('latest', 'all' or 'ckpt-N') in MODEL_DIR/checkpoints."""
     directory = os.path.join(model_dir, 'checkpoints')
-    paths = checkpointing.checkpoint_paths(directory)
+    try:
+        paths = checkpointing.checkpoint_paths(directory)
+    except (ValueError, tf.errors.OpError, OSError) as error:   # a damaged state file ('checkpoint'), unreadable
+        raise CheckpointError(f'cannot list the checkpoints in {directory} ({type(error).__name__}: '
+                              f'{_first_line(error)})') from None
     if not paths:
         raise CheckpointError(f'no checkpoint in {directory}')
     if which == 'latest':
@@ -59,6 +123,11 @@ def checkpoint_step(path: str) -> int:
     return int(found.group(1)) if found else -1
 
 
+class RestoreOnly(NamedTuple):
+    """What checkpointing.restore needs of a checkpoint manager: its checkpoint."""
+    checkpoint: tf.train.Checkpoint
+
+
 class Evaluator:
     """A run's network under its strategy, restoring checkpoints and evaluating each on the validation set."""
 
@@ -68,7 +137,11 @@ class Evaluator:
         train.check_replicas(config, self.strategy.num_replicas_in_sync)
         with self.strategy.scope():
             self.classifier = train.build_classifier(config)
-        self.manager = checkpointing.checkpoint_manager(self.classifier, config.model_dir, self.strategy)
+        # Checkpoints are restored by path (select_checkpoints), with no tf.train.CheckpointManager: making one
+        # parses the run's state file, checkpoints/checkpoint, and raises on a damaged one. The objects are those
+        # checkpointing.checkpoint_manager saves.
+        self.manager = RestoreOnly(tf.train.Checkpoint(network=self.classifier.network,
+                                                       optimizer=self.classifier.optimizer))
         self.names, self.ids = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
         self._step_fn = None
 
@@ -168,6 +241,9 @@ def evaluate_run(config: Config, which: str = 'latest', strategy: Optional[tf.di
                  print_fn=print) -> List[dict]:
     """Evaluates the checkpoints ``which`` names of config.model_dir; writes and returns their results."""
     paths = select_checkpoints(config.model_dir, which)
+    model_record = os.path.join(config.model_dir, MODEL_FILE)
+    if tf.io.gfile.exists(model_record):
+        read_json_object(model_record, 'model settings')    # damaged: one line here, not a traceback below
     checkpointing.check_model_settings(config, config.model_dir)
     evaluator = Evaluator(config, strategy)
     results = []

@@ -25,13 +25,13 @@ from imagenet_tpu.data import service as data_service
 from imagenet_tpu.data.records import SkipCounts
 from imagenet_tpu.distribute import collectives
 from imagenet_tpu.distribute import strategy as strategy_lib
-from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, summarize_graph_error
+from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, StepError, summarize_graph_error
 from imagenet_tpu.model import batch_norm, resnet
 from imagenet_tpu.model import classifier as classifier_lib
 from imagenet_tpu.optim import lars, regularization, rmsprop_warmup, schedules
 from imagenet_tpu.serving import export
 from imagenet_tpu.training import callbacks as callbacks_lib
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import checkpointing, termination
 
 
 def prepare_process(config: Config) -> None:
@@ -198,6 +198,9 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
     # warns at every evaluation that weights came without compiled weighted metrics.
     classifier.compile(optimizer=build_optimizer(config), jit_compile=use_jit(config, strategy),
                        steps_per_execution=steps_per_execution(config, strategy), weighted_metrics=[])
+    # The step's outputs are the metrics' results, already over every replica: Keras's default ('auto') sums
+    # them over the workers of a MultiWorkerMirroredStrategy, so progress lines showed loss x workers.
+    classifier.distribute_reduction_method = 'first'
     # Create the optimizer's slots now, so a checkpoint restores into existing variables.
     classifier.optimizer.build(classifier.network.trainable_variables)
     return classifier
@@ -319,14 +322,17 @@ def build_datasets(config: Config, strategy: tf.distribute.Strategy, start_step:
 def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy,
                     manager: Optional[tf.train.CheckpointManager], skip_counts: SkipCounts, train_data,
                     print_fn=print, on_sigterm: Optional[keras.callbacks.Callback] = None) -> list:
-    """The run's callbacks, in the order they must run: Progress and ReportSkips add to the epoch logs, so they
-    come before TensorBoard; StopOnNonFiniteLoss comes before Checkpoints, so a diverged step is never saved."""
-    callbacks = [callbacks_lib.Progress(config.train_steps, config.global_batch_size, config.log_every_steps,
-                                        print_fn, config.num_train_images),
-                 callbacks_lib.ReportSkips(skip_counts, print_fn), callbacks_lib.StopOnNonFiniteLoss()]
+    """The run's callbacks, in the order they must run: InputWatchdog first (its clock starts before the others'
+    work); Progress and ReportSkips add to the epoch logs, so they come before TensorBoard; StopOnNonFiniteLoss
+    comes before Checkpoints, so a diverged step is never saved."""
+    callbacks = [callbacks_lib.InputWatchdog(60 * config.input_timeout_minutes, describe_input(config))
+                 ] if config.input_timeout_minutes else []
+    callbacks += [callbacks_lib.Progress(config.train_steps, config.global_batch_size, config.log_every_steps,
+                                         print_fn, config.num_train_images),
+                  callbacks_lib.ReportSkips(skip_counts, print_fn), callbacks_lib.StopOnNonFiniteLoss()]
     if manager is not None:
         callbacks += [checkpointing.Checkpoints(manager, config.checkpoint_every_steps),
-                      on_sigterm or checkpointing.SaveOnSigterm(manager, print_fn)]
+                      on_sigterm or checkpointing.SaveOnSigterm(manager, print_fn, config.termination_grace_seconds)]
     if config.norm != 'none':   # evaluation with the statistics a checkpoint and the export hold
         callbacks.append(callbacks_lib.AverageMovingStatistics(classifier.network, strategy))
         if config.bn_inference_statistics == 'reestimate':
@@ -338,15 +344,41 @@ def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strat
     return callbacks
 
 
+def describe_input(config: Config) -> str:
+    """What the training input reads, in a few words (for errors about it)."""
+    if config.synthetic_data:
+        return 'the synthetic input'
+    if config.data_service:
+        return f'the tf.data service at {config.data_service}'
+    return f'the input ({tfrecord.file_pattern(config.data_dir or "", tfrecord.TRAIN)} and its validation files)'
+
+
+# Marks of an error raised inside the input pipeline (the iterator's ops, the record reader, the decoders).
+_INPUT_ERROR_MARKS = ('IteratorGetNext', 'MultiDeviceIterator', 'record at', 'JPEG', 'jpeg', 'image file format',
+                      'Feature:', 'image too large', 'to_model_label', 'label', record_io.NO_USABLE_RECORD)
+
+
+def is_input_error(error: tf.errors.OpError) -> bool:
+    """Whether a runtime error of fit or evaluate came from the input pipeline rather than from the step."""
+    return isinstance(error, tf.errors.DataLossError) or any(mark in error.message for mark in _INPUT_ERROR_MARKS)
+
+
 @contextlib.contextmanager
 def input_errors():
     """A bad record met inside the input pipeline under bad_records='fatal' (a JPEG that does not decode, a label
     outside the range, a missing feature, a file cut mid-record) surfaces from fit or evaluate as a TensorFlow
-    runtime error; inside this block it becomes a DataError naming what was wrong."""
+    runtime error; inside this block it becomes a DataError naming what was wrong, and an input in which every
+    record fails a DataError saying so. Any other runtime error of the step is a StepError (not a bad record)."""
     try:
         yield
     except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
-        raise DataError(f'bad input record: {summarize_graph_error(error.message)}') from None
+        summary = summarize_graph_error(error.message)
+        if record_io.NO_USABLE_RECORD in error.message:
+            found = error.message[error.message.index(record_io.NO_USABLE_RECORD):]
+            raise DataError(found.splitlines()[0].split(' [Condition')[0].rstrip('] ')) from None
+        if is_input_error(error):
+            raise DataError(f'bad input record: {summary}') from None
+        raise StepError(f'the step failed: {summary}') from None
 
 
 def _step(classifier: keras.Model) -> int:
@@ -404,9 +436,10 @@ def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf
              eval_data, callbacks: list, print_fn=print) -> dict:
     """Held-out loss, top_1 and top_5 over every validation image once, and eval_images (the count)."""
     eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
+    kept = (callbacks_lib.InputWatchdog, callbacks_lib.AverageMovingStatistics, callbacks_lib.ReestimateBatchNorm,
+            checkpointing.SaveOnSigterm)
     evaluated = classifier.evaluate(eval_data, steps=eval_steps, verbose=0, return_dict=True,
-                                    callbacks=[c for c in callbacks if isinstance(
-                                        c, (callbacks_lib.AverageMovingStatistics, callbacks_lib.ReestimateBatchNorm))])
+                                    callbacks=[c for c in callbacks if isinstance(c, kept)])
     results = {name: float(value) for name, value in evaluated.items()}
     results['eval_images'] = int(classifier.top_1.count.numpy())
     print_fn(f'held-out top-1 {100 * results["top_1"]:.2f}% top-5 {100 * results["top_5"]:.2f}% '
@@ -434,34 +467,55 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
 
     Returns a dict with top_1, top_5, loss (held-out; absent for synthetic data), train_loss, steps,
     images_per_second, wall_seconds and the input's bad_records and truncated_files. Raises a subclass of
-    errors.RunError on failure: Preempted after saving a checkpoint when SIGTERM arrives during training.
+    errors.RunError on failure: Preempted after saving a checkpoint when SIGTERM arrives during training (and if
+    no step ends within config.termination_grace_seconds, the process exits with status 143: termination.py).
     """
     started = time.perf_counter()
     strategy = strategy or build_strategy(config)
-    prepare_process(config)
-    chief = checkpointing.is_chief(strategy)
-    if config.model_dir:
-        checkpointing.prepare_model_dir(config, chief)
+    with termination.during_training(config.termination_grace_seconds):
+        prepare_process(config)
+        chief = checkpointing.is_chief(strategy)
+        lock = checkpointing.prepare_model_dir(config, chief, print_fn) if config.model_dir else None
+        try:
+            return _train_and_evaluate(config, strategy, chief, started, print_fn)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _train_and_evaluate(config: Config, strategy: tf.distribute.Strategy, chief: bool, started: float,
+                        print_fn) -> dict:
     check_replicas(config, strategy.num_replicas_in_sync)
     strategy_lib.check_mesh(strategy, config.mesh_shape, config.cores_per_chip)
     with strategy.scope():
         classifier = build_classifier(config)
     tune_convolutions(classifier.network, config, strategy.num_replicas_in_sync, print_fn)
-    manager, on_sigterm = (checkpointing.resume(classifier, config.model_dir, strategy, print_fn)
+    manager, on_sigterm = (checkpointing.resume(classifier, config.model_dir, strategy, print_fn,
+                                                config.termination_grace_seconds)
                            if config.model_dir else (None, None))
 
+    start_step = _step(classifier)
     skip_counts = SkipCounts()
-    train_data, eval_data = build_datasets(config, strategy, _step(classifier), skip_counts)
+    train_data, eval_data = build_datasets(config, strategy, start_step, skip_counts)
+    if config.model_dir and chief:
+        checkpointing.record_run(config)     # only now: the data has been checked
     callbacks = build_callbacks(config, classifier, strategy, manager, skip_counts, train_data, print_fn,
                                 on_sigterm)
     print_fn(f'{config.depth}-layer ResNet, {strategy.num_replicas_in_sync} replicas '
              f'({type(strategy).__name__}), global batch {config.global_batch_size}, '
              f'{config.steps_per_epoch} steps/epoch, {config.train_steps} steps')
-    with input_errors():
-        results = fit(config, classifier, strategy, train_data, eval_data, callbacks, skip_counts)
-        if eval_data is not None:
-            results.update(evaluate(config, classifier, strategy, eval_data, callbacks, print_fn))
-            results['evaluations'] += 1
+    if start_step >= config.train_steps:
+        print_fn(f'step {start_step} of {config.train_steps} was reached by an earlier run: nothing to train')
+    try:
+        with input_errors():
+            results = fit(config, classifier, strategy, train_data, eval_data, callbacks, skip_counts)
+            if eval_data is not None:
+                results.update(evaluate(config, classifier, strategy, eval_data, callbacks, print_fn))
+                results['evaluations'] += 1
+    finally:
+        for callback in callbacks:
+            if isinstance(callback, callbacks_lib.InputWatchdog):
+                callback.close()
     results.update(skip_counts.totals())
     results.update(run_counts(config, strategy))
 
@@ -473,6 +527,26 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
         print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
     if config.model_dir and chief:
-        with tf.io.gfile.GFile(os.path.join(config.model_dir, 'results.json'), 'w') as f:
-            json.dump(results, f, indent=2)
+        path = os.path.join(config.model_dir, 'results.json')
+        if results['steps'] == start_step:
+            results = {**training_figures(path), **results_without_training(results)}
+        checkpointing.write_json(path, results)
     return results
+
+
+TRAINING_FIGURES = ('train_loss', 'images_per_second', 'wall_seconds')
+
+
+def training_figures(path: str) -> dict:
+    """The training figures (TRAINING_FIGURES) of an earlier results.json, {} if it is missing or unreadable."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            previous = json.load(f)
+    except (tf.errors.OpError, ValueError, UnicodeDecodeError):
+        return {}
+    return {name: previous[name] for name in TRAINING_FIGURES if isinstance(previous, dict) and name in previous}
+
+
+def results_without_training(results: dict) -> dict:
+    """A run that trained no step keeps the training figures of the run that did (training_figures)."""
+    return {name: value for name, value in results.items() if name not in TRAINING_FIGURES}

@@ -1,20 +1,28 @@
 """The evaluation command: a run's checkpoints evaluated again give the run's own held-out figures, every
 image once, per-class accuracy named from labels.txt, a plot over checkpoints, and one-line errors."""
 
+import contextlib
 import csv
 import dataclasses
+import io
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
 
+from absl import flags
+from absl import logging as absl_logging
+from absl.testing import flagsaver
 import numpy as np
 import tensorflow as tf
 
 import helpers
 from imagenet_tpu import errors
 from imagenet_tpu import evaluate
+from imagenet_tpu.commands import evaluate as evaluate_command
 from imagenet_tpu.data import labels
 from imagenet_tpu import train
 
@@ -85,6 +93,95 @@ class EvaluateTest(tf.test.TestCase):
                 os.symlink(os.path.join(self.data_dir, name), os.path.join(no_validation, name))
         with self.assertRaisesRegex(errors.DataError, 'no validation files'):
             evaluate.evaluate_run(dataclasses.replace(config, data_dir=no_validation), 'latest', helpers.mirrored(2))
+
+    def copy_of_the_run(self, name: str) -> str:
+        copy = os.path.join(self.root, name)
+        shutil.copytree(self.model_dir, copy, ignore=shutil.ignore_patterns('eval'))
+        return copy
+
+    def test_a_damaged_config_json_is_one_line_naming_the_file(self):
+        with open(os.path.join(self.model_dir, 'config.json')) as f:
+            text = f.read()
+        settings = json.loads(text)
+        cases = (
+            ('random_bytes', bytes(np.random.default_rng(0).integers(0, 256, 300, dtype=np.uint8)),
+             'is damaged: not UTF-8 text$'),
+            ('truncated', text[:len(text) // 2].encode(), r'is damaged: not valid JSON \(.*line \d+ column \d+'),
+            ('a_list', json.dumps(list(settings.items())).encode(),
+             'is damaged: a JSON list, not an object of settings$'),
+            ('a_number', b'42', 'is damaged: a JSON int, not an object of settings$'),
+            ('a_string_for_a_number', json.dumps({**settings, 'depth': 'ten'}).encode(),
+             "is damaged: depth is 'ten', not a int$"),
+            ('a_list_for_a_number', json.dumps({**settings, 'label_smoothing': [0.1]}).encode(),
+             'is damaged: label_smoothing is \\[0.1\\], not a float$'),
+            ('null_for_a_number', json.dumps({**settings, 'num_classes': None}).encode(),
+             'is damaged: num_classes is None, not a int$'),
+            ('a_setting_out_of_range', json.dumps({**settings, 'depth': 7}).encode(),
+             'holds settings that do not load: unknown depth 7; choose one of'),
+        )
+        for name, content, expected in cases:
+            with self.subTest(name):
+                model_dir = os.path.join(self.root, f'config-{name}')
+                os.makedirs(model_dir, exist_ok=True)
+                with open(os.path.join(model_dir, 'config.json'), 'wb') as f:
+                    f.write(content)
+                with self.assertRaisesRegex(errors.CheckpointError,
+                                            f'^{re.escape(os.path.join(model_dir, "config.json"))} {expected}'):
+                    evaluate.run_config(model_dir)
+        # A setting given on the command line that does not work is the setting's error, not the file's.
+        with self.assertRaisesRegex(errors.ConfigError, '^unknown depth 7; choose one of') as raised:
+            evaluate.run_config(self.model_dir, {'depth': 7})
+        self.assertNotIsInstance(raised.exception, errors.CheckpointError)
+
+    def test_a_damaged_config_json_through_the_command_is_one_error_line(self):
+        model_dir = self.copy_of_the_run('command-random-bytes')
+        with open(os.path.join(model_dir, 'config.json'), 'wb') as f:
+            f.write(b'\x93\xfe\x00garbage')
+        stderr = io.StringIO()
+        levels = absl_logging.get_verbosity(), tf.get_logger().level
+        with flagsaver.flagsaver(), contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exited:
+            try:
+                evaluate_command.main(flags.FLAGS(['imagenet-tpu-eval', f'--model_dir={model_dir}']))
+            finally:
+                absl_logging.set_verbosity(levels[0])
+                tf.get_logger().setLevel(levels[1])
+        self.assertEqual(exited.exception.code, 2)
+        self.assertEqual(stderr.getvalue().splitlines(),
+                         [f'error: {model_dir}/config.json is damaged: not UTF-8 text'])
+
+    def test_a_damaged_model_json_is_one_line_naming_the_file(self):
+        for name, content, expected in (('random_bytes', b'\xff\xd8\x00\x10garbage', 'not UTF-8 text'),
+                                        ('truncated', b'{"depth": 10, "num_cl', 'not valid JSON'),
+                                        ('a_list', b'[10, 4, 16]', 'a JSON list, not an object of model settings')):
+            with self.subTest(name):
+                model_dir = self.copy_of_the_run(f'model-json-{name}')
+                path = os.path.join(model_dir, 'model.json')
+                with open(path, 'wb') as f:
+                    f.write(content)
+                config = evaluate.run_config(model_dir)
+                with self.assertRaisesRegex(errors.CheckpointError, f'^{re.escape(path)} is damaged: {expected}'):
+                    evaluate.evaluate_run(config, 'latest', print_fn=lambda line: None)
+
+    def test_a_damaged_checkpoint_state_file_is_no_traceback(self):
+        # TensorFlow's state file is only a hint (checkpointing.checkpoint_paths lists the checkpoints' own files),
+        # and the evaluator makes no CheckpointManager, which would parse it: the latest checkpoint is evaluated.
+        # (Where the state file is what lists the checkpoints, the error is one line naming the folder.)
+        for name, content in (('random_bytes', bytes(np.random.default_rng(1).integers(0, 256, 200, np.uint8))),
+                              ('empty', b'')):
+            with self.subTest(name):
+                model_dir = self.copy_of_the_run(f'state-{name}')
+                with open(os.path.join(model_dir, 'checkpoints', 'checkpoint'), 'wb') as f:
+                    f.write(content)
+                try:
+                    (result,) = evaluate.evaluate_run(evaluate.run_config(model_dir), 'latest', helpers.mirrored(2),
+                                                      print_fn=lambda line: None)
+                except errors.CheckpointError as error:
+                    self.assertRegex(str(error), f'^(cannot list the checkpoints|no checkpoint) in '
+                                                 f'{re.escape(os.path.join(model_dir, "checkpoints"))}')
+                    self.assertNotIn('\n', str(error))
+                else:
+                    self.assertEqual(result['checkpoint'], 'ckpt-3')
+                    self.assertAlmostEqual(result['top_1'], self.trained['top_1'], places=6)
 
     def test_one_line_error_in_a_real_process(self):
         process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.commands.evaluate', f'--model_dir={self.model_dir}',

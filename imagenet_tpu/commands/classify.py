@@ -3,16 +3,28 @@
     imagenet-tpu-classify --saved_model=RUN/saved_model photo.jpg photos/ 'shots/*.png'
     imagenet-tpu-classify --saved_model=RUN/saved_model --json photos/ > predictions.jsonl
 
-Arguments are files, directories (their image files, recursively) and glob patterns. A file that cannot be read
-or is not a JPEG, PNG, GIF or BMP image is reported on stderr and skipped; the others are classified in batches
-by the SavedModel's serving_default signature (export.py), which applies the evaluation preprocessing of training.
-Exit status 0 when every file was classified, 1 when some were skipped, 2 when nothing could be.
+Arguments are files, directories (their image files, recursively) and glob patterns. A file that cannot be read,
+is not a regular file (a link to one is followed; a device, FIFO, socket or directory is not read), is larger
+than 64 MiB, is not a JPEG, PNG, GIF or BMP image, or whose header claims more pixels than training decodes (a
+decompression bomb) is reported on stderr and skipped; the others are classified in batches by the SavedModel's
+serving_default signature (export.py), which applies the evaluation preprocessing of training.
+
+Exit status:
+    0  every file was classified;
+    1  some files were skipped, the others classified (the skips are on stderr, and counted at the end);
+    2  an error, one ``error:`` line on stderr: no arguments, an unknown or malformed flag, a --batch_size below
+       1, a SavedModel that is missing or cannot be loaded (its variables deleted or damaged, ...); or no file
+       could be classified.
 """
 
 import sys
 
-from imagenet_tpu.commands import common  # noqa: F401  first: a quiet TensorFlow start (common.py)
-from absl import app, flags
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
+    from imagenet_tpu.training import termination
+    termination.listen()
+
+from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
+from absl import flags
 
 from imagenet_tpu.serving.classify import classify, expand, load
 
@@ -44,9 +56,11 @@ def main(argv):
     sys.exit(0 if not skipped else 1 if counts['classified'] else 2)
 
 
-def run():
-    """The console script imagenet-tpu-classify."""
-    app.run(main)
+def run(argv=None):
+    """The console script imagenet-tpu-classify. A bad flag or --flagfile is one ``error:`` line and exit status 2
+    (absl's own parser exits with 1, which here means that files were skipped)."""
+    common.run_with_help(main, __doc__, argv, command_flags=('saved_model', 'batch_size', 'json'),
+                         training_flags=False)
 
 
 if __name__ == '__main__':

@@ -7,6 +7,7 @@ import os
 import sys
 import textwrap
 import typing
+from typing import List, Sequence
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # keep TensorFlow's C++ start-up chatter out of the progress
 
@@ -84,10 +85,21 @@ def _flag_with_default(field: dataclasses.Field, kind) -> str:
     return f'--{field.name}={default}'
 
 
-def usage(doc: str) -> str:
-    """--help: what the command does (``doc``) and every training flag, by section, with defaults."""
+def usage(doc: str, command_flags: Sequence[str] = (), training_flags: bool = True,
+          flag_values: flags.FlagValues = flags.FLAGS) -> str:
+    """--help: what the command does (``doc``), the command's own flags (``command_flags``, by name) and, with
+    ``training_flags``, every training flag, by section, with defaults."""
     lines = [doc.strip(), '', 'Flags (--helpfull adds absl\'s own):']
-    for section in config_lib.SECTIONS:
+    if command_flags:
+        lines += ['', 'This command:'] if training_flags else ['']
+        for name in command_flags:
+            flag = flag_values[name]
+            if flag.boolean:
+                lines.append(f'  --[no]{name} (default: {"on" if flag.default else "off"})')
+            else:
+                lines.append(f'  --{name}' + (' (not set by default)' if flag.default is None else f'={flag.default}'))
+            lines += textwrap.wrap(flag.help, 100, initial_indent='      ', subsequent_indent='      ')
+    for section in config_lib.SECTIONS if training_flags else ():
         lines += ['', f'{section.capitalize()}:']
         for field, kind in config_lib.settings():
             if field.metadata['section'] != section:
@@ -112,10 +124,32 @@ def quiet_logs() -> None:
     tf.get_logger().setLevel('WARNING')
 
 
-def run_with_help(main, doc: str, argv=None) -> None:
-    """A console script: our --help (absl's shows only the flags of the script's own module), then absl."""
+def flag_error_message(error: Exception) -> str:
+    """One line for flags that cannot be parsed: an unknown flag or a bad value, on the command line or in a
+    --flagfile, or a --flagfile that cannot be read."""
+    if isinstance(error, UnicodeDecodeError):
+        return f'a --flagfile is not UTF-8 text ({error.reason} at byte {error.start})'
+    message = ' '.join(line.strip() for line in str(error).splitlines() if line.strip())
+    if isinstance(error, flags.CantOpenFlagFileError):
+        return 'cannot read --flagfile: ' + message.split('Unable to open flagfile: ', 1)[-1]
+    return message
+
+
+def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS) -> List[str]:
+    """``flag_values`` parsed from ``argv`` (the program's name first); returns the arguments left. Flags that
+    cannot be parsed end the process with one ``error:`` line and status 2 (absl's own parser says "FATAL" and
+    exits with 1)."""
+    try:
+        return flag_values(list(argv))
+    except (flags.Error, OSError, UnicodeDecodeError) as error:   # (absl reports an unreadable file as flags.Error)
+        fail(flag_error_message(error))
+
+
+def run_with_help(main, doc: str, argv=None, command_flags: Sequence[str] = (), training_flags: bool = True) -> None:
+    """A console script: our --help (absl's shows only the flags of the script's own module; usage() says what
+    ours lists), then absl's app.run with our flag parser (parse_flags: a bad flag or flagfile is one line)."""
     argv = list(sys.argv if argv is None else argv)
     if any(arg in HELP_FLAGS for arg in argv[1:]):
-        sys.stdout.write(usage(doc))
+        sys.stdout.write(usage(doc, command_flags, training_flags))
         sys.exit(0)
-    app.run(main, argv)
+    app.run(main, argv, flags_parser=parse_flags)

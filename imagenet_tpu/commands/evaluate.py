@@ -15,8 +15,12 @@ class, named from labels.txt) and, for several checkpoints, accuracy.png and sum
 import dataclasses
 import os
 
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
+    from imagenet_tpu.training import termination
+    termination.listen()
+
 from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
-from absl import app, flags
+from absl import flags
 import tensorflow as tf
 
 from imagenet_tpu import evaluate
@@ -54,9 +58,9 @@ def _given_settings():
     return [field for field, _ in given], [value for _, value in given]
 
 
-def run():
+def run(argv=None):
     """The console script imagenet-tpu-eval."""
-    app.run(main)
+    common.run_with_help(main, __doc__, argv, command_flags=('checkpoint',))
 
 
 if __name__ == '__main__':

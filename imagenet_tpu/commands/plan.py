@@ -17,6 +17,10 @@ The model and its calibration against published MLPerf runs: docs/design.md, doc
 import json
 import sys
 
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
+    from imagenet_tpu.training import termination
+    termination.listen()
+
 from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
 from absl import flags
 

@@ -122,6 +122,8 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     first_epoch, skip, first_file, file_skip = 0, 0, 0, 0
     if start_step:
         counts = record_counts.lookup(paths, sizes, config.data_dir, config.model_dir, log)
+        if not sum(counts):
+            raise DataError(f'the training files hold no whole record ({record_io.describe_files(paths)})')
         first_epoch, skip = resume_position(config, start_step, context, sum(counts))
         if config.input_cache == 'none':
             with tf.init_scope():
@@ -137,15 +139,22 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
         stream = _cached_stream(config, paths, sizes, base_seed, first_epoch, skip, bad, truncated)
 
     parse_record = record_parser(config, dtype, base_seed)
+    blank = (tf.zeros([config.image_size, config.image_size, 3], dtype), tf.constant(0, tf.int32))
 
     def parse(position, element):
-        return (position, *parse_record(*element))
+        heartbeat = element[0] < 0      # HEARTBEAT_KEY: nothing to decode
+        image, label = tf.cond(heartbeat, lambda: blank, lambda: parse_record(*element))
+        return position, heartbeat, image, label
 
     decoded = stream.enumerate().map(parse, num_parallel_calls=AUTOTUNE, deterministic=True)
     if served:
-        examples = skip_bad_records(decoded, config)
+        examples = skip_bad_records(decoded.filter(lambda index, heartbeat, *rest: tf.logical_not(heartbeat))
+                                    .map(lambda index, heartbeat, *rest: (index, *rest)), config)
     else:
-        examples = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None)
+        windows = (max(1, -(-pipeline_epoch_records(config, context) // shuffle_window(config, context)))
+                   if config.input_cache == 'none' else 1)
+        examples = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None,
+                                            heartbeat_limit=windows + 1, files=record_io.describe_files(paths))
     batches = examples.batch(per_replica_batch(config.global_batch_size, context), drop_remainder=True)
     batches = space_to_depth(batches, config)
     return (batches if served else batches.prefetch(AUTOTUNE)).with_options(
@@ -189,6 +198,20 @@ def skip_bad_records(decoded: tf.data.Dataset, config: Config) -> tf.data.Datase
 
 
 WINDOWS_PER_EPOCH = 8     # at least: a resume reads at most about two windows, a quarter of an epoch
+HEARTBEAT_KEY = -1        # the key of the element after each window (or cached epoch): record_io.decode_guarded
+
+
+def heartbeat_after(records: tf.data.Dataset) -> tf.data.Dataset:
+    """(key, record) elements followed by one heartbeat (HEARTBEAT_KEY, an empty record of the same structure)."""
+    spec = records.element_spec[1]
+    empty = tf.nest.map_structure(lambda s: tf.zeros([d or 1 for d in s.shape], s.dtype), spec)
+    return records.concatenate(tf.data.Dataset.from_tensors((tf.constant(HEARTBEAT_KEY, tf.int64), empty)))
+
+
+def pipeline_epoch_records(config: Config, context: Optional[tf.distribute.InputContext]) -> int:
+    """Records in one epoch of this input pipeline, as the settings give it (num_train_images / pipelines)."""
+    pipelines = context.num_input_pipelines if context else 1
+    return max(1, -(-config.num_train_images // pipelines))
 
 
 def shuffle_window(config: Config, context: Optional[tf.distribute.InputContext]) -> int:
@@ -231,7 +254,7 @@ def _windowed_stream(config: Config, window: int, paths: list, sizes: list, base
         records = records.shuffle(window, seed=seed[0] + 7919 * seed[1])
         start = tf.where(tf.logical_and(epoch == first_epoch, number == first_window),
                          tf.constant(skip % window, tf.int64), 0)
-        return records.enumerate(epoch * EPOCH_KEYS + number * window).skip(start)
+        return heartbeat_after(records.enumerate(epoch * EPOCH_KEYS + number * window).skip(start))
 
     return windows.flat_map(window_records)
 
@@ -264,7 +287,7 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
         seed = fold_seed(base_seed, epoch, -1)
         records = cached.shuffle(config.shuffle_buffer, seed=seed[0] + 7919 * seed[1]).enumerate()
         records = records.skip(tf.where(epoch == first_epoch, tf.constant(skip, tf.int64), 0))
-        return records.map(lambda index, record: (epoch * EPOCH_KEYS + index, record))
+        return heartbeat_after(records.map(lambda index, record: (epoch * EPOCH_KEYS + index, record)))
 
     return tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_records)
 
@@ -272,7 +295,7 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
 def _decode_full(record: tf.Tensor):
     """(uint8 image, on-disk label) of a record, for the decoded-image cache."""
     example = tfrecord.parse_example(record)
-    return tf.io.decode_jpeg(example['encoded'], channels=3, dct_method=preprocessing.DCT_METHOD), example['label']
+    return preprocessing.decode_jpeg(example['encoded']), example['label']
 
 
 def image_dtype(config: Config) -> tf.DType:

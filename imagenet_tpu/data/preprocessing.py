@@ -4,6 +4,8 @@ Every function takes one encoded JPEG (string scalar) and returns an image [size
 (float32, or bfloat16 for a bfloat16 model): the network's first layer (resnet.Standardize) subtracts ImageNet's
 per-channel mean and divides by its standard deviation, on the accelerator. Decoding only the crop window
 (tf.image.decode_and_crop_jpeg) skips the IDCT of the discarded pixels, the fused decode-and-crop of Ying et al.
+Nothing is decoded whose header claims more than MAX_IMAGE_PIXELS: such an image is an InvalidArgumentError
+('image too large: ...') before any pixel is allocated, a bad record to the input pipeline (records.py).
 """
 
 import tensorflow as tf
@@ -19,8 +21,35 @@ STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 # speed (docs/benchmarks.md).
 DCT_METHOD = 'INTEGER_ACCURATE'
 
+# The most pixels an image may have to be decoded, Pillow's limit against decompression bombs (Pillow,
+# PIL/Image.py, MAX_IMAGE_PIXELS = 1024 * 1024 * 1024 // 4 // 3: Pillow warns above it, refuses twice as many):
+# 268 MB of RGB pixels. A JPEG of about a kilobyte can claim 13,000 x 13,000 pixels, 507 MB decoded.
+MAX_IMAGE_PIXELS = 89_478_485
+
 # Evaluation keeps the central 87.5% of the shorter side (224 of 256, the usual ImageNet protocol).
 EVAL_CROP_FRACTION = 0.875
+
+
+def check_pixels(shape: tf.Tensor) -> tf.Tensor:
+    """``shape`` ([height, width, ...], integers), after an assertion that it has at most MAX_IMAGE_PIXELS
+    pixels: else InvalidArgumentError 'image too large: W x H pixels (at most ... are decoded)'."""
+    height, width = tf.cast(shape[0], tf.int64), tf.cast(shape[1], tf.int64)
+    check = tf.debugging.Assert(height * width <= MAX_IMAGE_PIXELS, [tf.strings.format(
+        'image too large: {} x {} pixels (at most ' + f'{MAX_IMAGE_PIXELS:,} are decoded)', (width, height))])
+    with tf.control_dependencies([check]):
+        return tf.identity(shape)
+
+
+def jpeg_shape(encoded: tf.Tensor) -> tf.Tensor:
+    """[height, width, channels] (int32) of a JPEG from its header alone (tf.image.extract_jpeg_shape), checked
+    against MAX_IMAGE_PIXELS (check_pixels): every JPEG decode here takes its size, or its window, from this."""
+    return check_pixels(tf.image.extract_jpeg_shape(encoded))
+
+
+def decode_jpeg(encoded: tf.Tensor) -> tf.Tensor:
+    """The whole JPEG as uint8 [height, width, 3] (the decoded-image cache), if its header passes jpeg_shape."""
+    with tf.control_dependencies([jpeg_shape(encoded)]):
+        return tf.io.decode_jpeg(encoded, channels=3, dct_method=DCT_METHOD)
 
 
 def normalize(image: tf.Tensor, dtype: tf.DType = tf.float32) -> tf.Tensor:
@@ -56,7 +85,7 @@ def random_crop_window(encoded: tf.Tensor, boxes: tf.Tensor, min_area: float = 0
     The window covers ``min_area``..1 of the image and at least 10% of some box; after ``max_attempts``
     failures it is the whole image. ``seed`` ([2] integers) makes the window a function of the seed.
     """
-    return sample_crop_window(tf.image.extract_jpeg_shape(encoded), boxes, min_area, aspect_ratio_range,
+    return sample_crop_window(jpeg_shape(encoded), boxes, min_area, aspect_ratio_range,
                               max_attempts, seed)
 
 
@@ -111,7 +140,7 @@ def _flip_and_resize(image, flip: bool, flip_seed, image_size: int, dtype: tf.DT
 
 def center_crop_window(encoded: tf.Tensor, fraction: float = EVAL_CROP_FRACTION) -> tf.Tensor:
     """Square window [y, x, side, side] (int32) of ``fraction`` of the shorter side, centred, of a JPEG."""
-    return center_crop_window_of_shape(tf.image.extract_jpeg_shape(encoded), fraction)
+    return center_crop_window_of_shape(jpeg_shape(encoded), fraction)
 
 
 def center_crop_window_of_shape(shape: tf.Tensor, fraction: float = EVAL_CROP_FRACTION) -> tf.Tensor:
@@ -130,12 +159,43 @@ def preprocess_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fraction: f
     return _resize(image, image_size, dtype, resize_method)
 
 
+def header_shape(encoded: tf.Tensor) -> tf.Tensor:
+    """[height, width] (int64) the header of a PNG (IHDR, the first chunk) or a WebP (its VP8, VP8L or VP8X
+    chunk) claims, read from its first 30 bytes; [0, 0] for other formats. GIF is not read: TensorFlow's canvas is
+    its largest frame, found only by walking every block (serving/classify.py does, in Python); a BMP, not
+    compressed, fails to decode unless the file holds every pixel."""
+    head = tf.strings.substr(tf.strings.join([tf.strings.substr(encoded, 0, 30), b'\0' * 30]), 0, 30)
+    octets = tf.cast(tf.io.decode_raw(head, tf.uint8), tf.int64)
+
+    def number(start: int, count: int, big_endian: bool = False) -> tf.Tensor:
+        value = tf.constant(0, tf.int64)
+        for index in (range(start, start + count) if big_endian else reversed(range(start, start + count))):
+            value = value * 256 + octets[index]
+        return value
+
+    def starts(start: int, magic: bytes) -> tf.Tensor:
+        return tf.equal(tf.strings.substr(head, start, len(magic)), magic)
+
+    lossless = number(21, 4)      # VP8L: 14 bits width - 1, 14 bits height - 1, from the lowest bit
+    webp = tf.logical_and(starts(0, b'RIFF'), starts(8, b'WEBP'))
+    shape = tf.zeros([2], tf.int64)
+    for kind, claimed in ((starts(0, b'\x89PNG\r\n\x1a\n'), [number(20, 4, True), number(16, 4, True)]),
+                          (tf.logical_and(webp, starts(12, b'VP8 ')), [number(28, 2) % 16384, number(26, 2) % 16384]),
+                          (tf.logical_and(webp, starts(12, b'VP8L')), [lossless // 16384 % 16384 + 1,
+                                                                       lossless % 16384 + 1]),
+                          (tf.logical_and(webp, starts(12, b'VP8X')), [number(27, 3) + 1, number(24, 3) + 1])):
+        shape = tf.where(kind, tf.stack(claimed), shape)
+    return shape
+
+
 def preprocess_any_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fraction: float = EVAL_CROP_FRACTION,
                             dtype: tf.DType = tf.float32, resize_method: str = 'bilinear') -> tf.Tensor:
     """preprocess_for_eval for an encoded JPEG, PNG, GIF or BMP: JPEGs take exactly the evaluation path (decode
-    fused with the crop), other formats are decoded whole, then cropped and resized the same way."""
+    fused with the crop), other formats are decoded whole, then cropped and resized the same way. A JPEG, PNG or
+    WebP whose header claims more than MAX_IMAGE_PIXELS is an InvalidArgumentError before it is decoded."""
     def other_format():
-        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        with tf.control_dependencies([check_pixels(header_shape(encoded))]):
+            image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
         window = center_crop_window_of_shape(tf.shape(image), crop_fraction)
         image = image[window[0]:window[0] + window[2], window[1]:window[1] + window[3]]
         return _resize(image, image_size, dtype, resize_method)

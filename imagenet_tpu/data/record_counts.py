@@ -8,9 +8,10 @@ its size in bytes; lines starting with '#' are comments::
     # imagenet_tpu record counts: file, records, bytes
     train-00000-of-01024	1251	143224567
 
-An entry is used only while the file still has the size it records; a file whose size differs (rewritten,
-truncated, replaced) is counted again and the mismatch is reported. A count that is wrong although the size is
-right is caught when the file is read: the training stream checks every file's records against its count.
+Local files are counted at every resume (cheap, see below), so a wrong entry cannot move a resume; it is
+reported. For a remote file an entry is used only while the file still has the size it records and the count is
+possible for that size; otherwise the file is counted again and the mismatch is reported. The file a resumed
+stream starts in is always counted again.
 
 Counting walks the TFRecord framing (an 8-byte length, a 4-byte length CRC, the data and a 4-byte data CRC). On a
 local disk it seeks to each record's length field and reads those 8 bytes only: about 12 MB for ImageNet's 140 GB.
@@ -165,33 +166,52 @@ def _load(path: Optional[str], log: Callable[[str], None]) -> Dict[str, Tuple[in
         return {}
 
 
+def possible(count: int, size: int) -> bool:
+    """Whether a file of ``size`` bytes can hold ``count`` whole records (each at least FRAME_BYTES)."""
+    return 0 <= count and count * FRAME_BYTES <= size and (count > 0 or size < 2 * FRAME_BYTES)
+
+
 def lookup(paths: List[str], sizes: List[int], data_dir: str, cache_dir: Optional[str] = None,
            log: Callable[[str], None] = print) -> List[int]:
-    """Record count of each of ``paths`` (whose current byte sizes are ``sizes``): from data_dir's counts file,
-    else from cache_dir's, else counted and then added to cache_dir's (when given). An entry whose size is not
-    the file's is reported and not used."""
+    """Record count of each of ``paths`` (whose current byte sizes are ``sizes``), as a resume needs them.
+
+    Local files are always counted (from their length fields: cheap), so a wrong counts file cannot move a
+    resume; a count of the counts files that differs is reported. A remote file's count comes from data_dir's
+    counts file, else from cache_dir's, else it is counted and added to cache_dir's (when given); an entry whose
+    size is not the file's is reported and not used, and one impossible for the file's size (negative, zero for a
+    file that holds a record, more records than 16-byte frames fit) is reported and the file counted instead."""
     beside = _load(path_in(data_dir), log)
     cache_path = path_in(cache_dir) if cache_dir else None
     cache = _load(cache_path, log)
-    counts, to_count = [], []
+    counts, to_count, recorded = [], [], {}
     for index, (path, size) in enumerate(zip(paths, sizes)):
         count = None
         # data_dir's file names its shards; the cache names each file by its full path.
         for entries, key in ((beside, os.path.basename(path)), (cache, path)):
             if key in entries:
                 recorded_count, recorded_size = entries[key]
-                if recorded_size == size:
+                if recorded_size != size:
+                    log(f'warning: {FILE_NAME} gives {path} {recorded_size} bytes but it has {size}: '
+                        'counting its records again')
+                elif not possible(recorded_count, size):
+                    log(f'warning: {FILE_NAME} gives {path} {recorded_count} records, impossible for its {size} '
+                        'bytes: counting its records again')
+                elif is_local(path):
+                    recorded[index] = recorded_count
+                else:
                     count = recorded_count
-                    break
-                log(f'warning: {FILE_NAME} gives {path} {recorded_size} bytes but it has {size}: '
-                    'counting its records again')
+                break
         if count is None:
             to_count.append(index)
         counts.append(count)
     counted = {}
     for index, count in zip(to_count, count_files([paths[index] for index in to_count])):
         counts[index] = count
-        counted[paths[index]] = (count, sizes[index])
+        if index in recorded and recorded[index] != count:
+            log(f'warning: {FILE_NAME} gives {paths[index]} {recorded[index]} records but it holds {count}: '
+                f'using {count} (delete or rewrite the wrong {FILE_NAME})')
+        if not is_local(paths[index]):
+            counted[paths[index]] = (count, sizes[index])
     if counted and cache_path:
         try:
             import tensorflow as tf

@@ -193,27 +193,60 @@ def enumerate_records(records: tf.data.Dataset, read: Optional[tf.Variable]) -> 
     return indexed.map(note)
 
 
+NO_USABLE_RECORD = 'no usable record'   # the start of the error a stream of failures ends with (train.py)
+
+
+def describe_files(paths) -> str:
+    """A short name for the files of an input: all of them when few, else how many and the first."""
+    paths = [str(path) for path in paths]
+    if len(paths) <= 3:
+        return ', '.join(paths)
+    return f'{len(paths)} files from {paths[0]} to {paths[-1]}'
+
+
 def decode_guarded(decoded: tf.data.Dataset, bad: Optional[tf.Variable],
-                    read: Optional[tf.Variable] = None) -> tf.data.Dataset:
+                    read: Optional[tf.Variable] = None, heartbeat_limit: Optional[int] = None,
+                    files: str = '') -> tf.data.Dataset:
     """Drops elements whose decoding failed, adding their number to ``bad`` (None: errors stop the run).
 
     ``decoded``'s elements are (index, ...) with consecutive indices in order (a deterministic map): after
     ignore_errors, a gap in the indices is the number of records dropped there. For a finite stream, ``read``
     (the variable enumerate_records kept) lets a final marker count the bad records at its very end too.
+
+    With ``heartbeat_limit``, elements are (index, heartbeat, ...): the endless training streams put a heartbeat
+    (an element that cannot fail) after every window or epoch of records. ignore_errors drops failures without
+    end, so a stream in which every record fails would never yield anything; the heartbeats pass, and when
+    ``heartbeat_limit`` of them pass in a row without a record that decodes (a whole epoch of failures), the
+    stream stops with an InvalidArgumentError starting with NO_USABLE_RECORD and naming ``files``.
     """
+    if heartbeat_limit is not None:
+        is_record = lambda index, heartbeat, *rest: tf.logical_not(heartbeat)   # noqa: E731
+        strip_heartbeat = lambda index, heartbeat, *rest: (index, *rest)       # noqa: E731
     if bad is None:
+        if heartbeat_limit is not None:
+            decoded = decoded.filter(is_record).map(strip_heartbeat)
         return decoded.map(lambda index, *rest: rest)
+    if heartbeat_limit is None:
+        decoded = decoded.map(lambda index, *rest: (index, tf.constant(False), *rest))
     guarded = decoded.ignore_errors().map(lambda *element: (tf.constant(True), *element))
     if read is not None:
         dummies = tuple(tf.zeros([size or 0 for size in spec.shape], spec.dtype)
                         for spec in decoded.element_spec[1:])
         end = tf.data.Dataset.range(1).map(lambda _: (tf.constant(False), read.read_value(), *dummies))
         guarded = guarded.concatenate(end)
+    message = (f'{NO_USABLE_RECORD}: every record of a whole epoch of the training input failed to decode '
+               f'or was bad ({files or "its files"}); check the files or --num_classes and --label_offset')
+    message = message.replace('[', '(').replace(']', ')')
 
-    def count_gap(expected, element):
-        real, index, rest = element[0], element[1], element[2:]
-        with tf.control_dependencies([bad.assign_add(index - expected)]):
-            return index + 1, (tf.identity(real), *rest)
+    def count_gap(state, element):
+        expected, empty = state
+        real, index, heartbeat, rest = element[0], element[1], element[2], element[3:]
+        empty = tf.where(heartbeat, empty + 1, tf.where(real, tf.constant(0, tf.int64), empty))
+        checks = [bad.assign_add(index - expected)]
+        if heartbeat_limit is not None:
+            checks.append(tf.debugging.assert_less(empty, tf.constant(heartbeat_limit, tf.int64), message=message))
+        with tf.control_dependencies(checks):
+            return (index + 1, empty), (tf.logical_and(real, tf.logical_not(heartbeat)), *rest)
 
     def is_real(real, *unused_rest):
         return real
@@ -221,4 +254,5 @@ def decode_guarded(decoded: tf.data.Dataset, bad: Optional[tf.Variable],
     def strip_flag(unused_real, *rest):
         return rest
 
-    return guarded.scan(tf.constant(0, tf.int64), count_gap).filter(is_real).map(strip_flag)
+    zero = tf.constant(0, tf.int64)
+    return guarded.scan((zero, zero), count_gap).filter(is_real).map(strip_flag)

@@ -19,6 +19,10 @@ Processing modes (--data_service_mode):
                      service); with N workers every image comes N times per epoch, with the same crops.
 The files' paths are sent to the workers as they are: they must reach the same files (a shared file system or
 gs://). Bad records are skipped on the workers (bad_records='skip') but not counted on the trainer.
+
+The dispatcher and the workers listen on every interface of their machine and authenticate no one (TensorFlow
+has no setting for either; commands/data_service.py cites its source): run them on a private network or behind
+a firewall.
 """
 
 import socket
@@ -133,7 +137,9 @@ def train_dataset(config, context=None, start_step: int = 0, log=print):
 
 
 def serve_dispatcher(port: int, worker_timeout_ms: int = 0):
-    """Starts a dispatcher on ``port`` (0: any free one); returns the server (its target is grpc://...)."""
+    """Starts a dispatcher on ``port`` (0: any free one) of every interface of this machine, without
+    authentication (TensorFlow's servers have no setting for either); returns the server (its target is
+    grpc://localhost:PORT)."""
     config = tf.data.experimental.service.DispatcherConfig(port=port, protocol=PROTOCOL,
                                                            worker_timeout_ms=worker_timeout_ms or None)
     return tf.data.experimental.service.DispatchServer(config)
@@ -141,8 +147,9 @@ def serve_dispatcher(port: int, worker_timeout_ms: int = 0):
 
 def serve_worker(dispatcher: str, port: int = 0, host: str = 'localhost', heartbeat_interval_ms: int = 1000):
     """Starts a worker of the dispatcher at ``dispatcher`` ('HOST:PORT'), reachable by trainers at host:port.
-    A worker learns of a new job's task at its next heartbeat; TensorFlow's default interval (30 s) would leave
-    a worker idle that long at the start of every run."""
+    ``host`` is only the name the dispatcher hands to trainers: the worker listens on ``port`` of every interface,
+    without authentication, as the dispatcher does. A worker learns of a new job's task at its next heartbeat;
+    TensorFlow's default interval (30 s) would leave a worker idle that long at the start of every run."""
     config = tf.data.experimental.service.WorkerConfig(
         dispatcher_address=dispatcher, worker_address=f'{host}:%port%', port=port, protocol=PROTOCOL,
         heartbeat_interval_ms=heartbeat_interval_ms)

@@ -4,8 +4,12 @@ The TPU calls live in ``_tpu_strategy`` alone. Logical CPU devices must be decla
 initializes its devices, so ``use_logical_cpus`` is called first thing in a process (the commands, the tests).
 """
 
+import functools
+import os
+
 import tensorflow as tf
 
+from imagenet_tpu.distribute import cluster
 from imagenet_tpu.distribute import collectives
 from imagenet_tpu.distribute import mesh as tpu_mesh
 from imagenet_tpu.errors import ConfigError
@@ -191,8 +195,9 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
 
     'cpu': MirroredStrategy over ``num_cpu_devices`` logical CPU devices (development and tests);
     'mirrored': MirroredStrategy over the local GPUs; 'multi_worker': MultiWorkerMirroredStrategy from TF_CONFIG
-    (multi_worker_strategy); 'tpu': TPUStrategy for ``tpu`` (a name or 'local'), replicas placed as tpu_mesh
-    says, refused when it shows fewer hosts than ``tpu_hosts``; 'default': no distribution.
+    (multi_worker_strategy; a TF_CONFIG that cannot describe this process's cluster is a ConfigError naming
+    what is wrong, cluster.check_tf_config); 'tpu': TPUStrategy for ``tpu`` (a name or 'local'), replicas
+    placed as tpu_mesh says, refused when it shows fewer hosts than ``tpu_hosts``; 'default': no distribution.
     """
     if kind == 'cpu':
         return cpu_strategy(num_cpu_devices)
@@ -201,7 +206,14 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
             raise ConfigError("strategy 'mirrored' needs GPUs and none is visible; use --strategy=cpu")
         return mirrored_strategy()
     if kind == 'multi_worker':
-        return multi_worker_strategy(cpu_devices_per_worker)
+        cluster.check_tf_config(os.environ.get('TF_CONFIG'))
+        cluster.wait_for_peers(os.environ.get('TF_CONFIG'), functools.partial(print, flush=True))
+        try:
+            return multi_worker_strategy(cpu_devices_per_worker)
+        except ConfigError:
+            raise
+        except ValueError as error:     # a cluster TensorFlow refuses beyond check_tf_config's checks
+            raise ConfigError(f'TF_CONFIG: {str(error).strip().splitlines()[0]}') from None
     if kind == 'tpu':
         if not tpu:
             raise ConfigError("strategy 'tpu' needs --tpu=NAME (or 'local' on a TPU VM)")

@@ -38,6 +38,11 @@ class Classifier(keras.Model):
         self.weight_decay = weight_decay
         self.label_smoothing = label_smoothing
         self.decayed = decayed
+        # Whether every weight was finite after the last training step (StopOnNonFiniteLoss reads it): the loss
+        # is computed before the update, so it cannot show the step that made the weights NaN.
+        self.finite_weights = tf.Variable(True, trainable=False, name='finite_weights',
+                                          synchronization=tf.VariableSynchronization.ON_READ,
+                                          aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self.loss_tracker = keras.metrics.Mean('loss')
         self.top_1 = keras.metrics.SparseCategoricalAccuracy('top_1')
         self.top_5 = keras.metrics.SparseTopKCategoricalAccuracy(5, 'top_5')
@@ -75,6 +80,8 @@ class Classifier(keras.Model):
         else:
             gradients = self.gradient_all_reduce(gradients)
             self.optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
+        self.finite_weights.assign(tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))   # and the moving statistics
+                                                  for v in self.network.variables if v.dtype.is_floating]))
         return self._update_metrics(labels, logits, per_example_loss)
 
     def test_step(self, data):

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 import weakref
 from typing import Optional
@@ -106,15 +107,76 @@ class Progress(keras.callbacks.Callback):
 
 
 class StopOnNonFiniteLoss(keras.callbacks.Callback):
-    """Stops training with TrainingDiverged, naming the step, as soon as the loss is not finite. It runs before
+    """Stops training with TrainingDiverged, naming the step, as soon as the loss is not finite or (for a
+    Classifier, which notes it in every step) the update made a weight NaN or infinite. It runs before
     Checkpoints, so the step that diverged is never saved (and the last checkpoint stays the last good one)."""
 
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get('loss')
+        finite_weights = getattr(self.model, 'finite_weights', None)
         if loss is not None and not math.isfinite(float(loss)):
-            step = int(self.model.optimizer.iterations.numpy())
-            raise TrainingDiverged(f'training loss is {float(loss)} at step {step}; stopped without saving it '
-                                   '(lower the learning rate, or check the input for bad values)')
+            problem = f'training loss is {float(loss)}'
+        elif finite_weights is not None and not bool(finite_weights.numpy()):
+            problem = 'the update made weights NaN or infinite'
+        else:
+            return
+        step = int(self.model.optimizer.iterations.numpy())
+        raise TrainingDiverged(f'{problem} at step {step}; stopped without saving it (the last checkpoint is '
+                               'the last finite one: lower the learning rate, or check the input for bad values)')
+
+
+class InputWatchdog(keras.callbacks.Callback):
+    """Ends the process with one ``error:`` line (exit status 2) when no training or evaluation batch ends for
+    ``timeout_seconds`` while fit or evaluate runs: an input that yields nothing (a stalled file system, a tf.data
+    service without workers). The main thread then waits inside TensorFlow, where Python cannot interrupt it, so
+    a thread of its own watches; checkpoints already written are intact. Put it first among the callbacks (its
+    clock starts before the others' work at each batch). close() stops the thread."""
+
+    def __init__(self, timeout_seconds: float, describe_input: str, poll_seconds: float = 5.0):
+        super().__init__()
+        self.timeout_seconds, self.describe_input = timeout_seconds, describe_input
+        self._poll = min(poll_seconds, max(0.05, timeout_seconds / 10))
+        self._last, self._phases = time.monotonic(), set()
+        self._closed = threading.Event()
+        self._thread = None
+
+    def _beat(self, *unused):
+        self._last = time.monotonic()
+
+    def _watch(self):
+        while not self._closed.wait(self._poll):
+            idle = time.monotonic() - self._last
+            if self._phases and idle > self.timeout_seconds:
+                os.write(2, (f'error: no {"evaluation" if "test" in self._phases else "training"} step ended in '
+                             f'{idle / 60:.1f} minutes (--input_timeout_minutes): {self.describe_input} yields '
+                             'nothing; the checkpoints written so far are intact\n').encode())
+                os._exit(2)  # pylint: disable=protected-access  (the main thread is stuck inside TensorFlow)
+
+    def _start(self, phase):
+        self._phases.add(phase)
+        self._beat()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name='input-watchdog', daemon=True)
+            self._thread.start()
+
+    def close(self):
+        self._closed.set()
+
+    def on_train_begin(self, logs=None):
+        self._start('train')
+
+    def on_train_end(self, logs=None):
+        self._phases.discard('train')
+
+    def on_test_begin(self, logs=None):
+        self._start('test')
+
+    def on_test_end(self, logs=None):
+        self._phases.discard('test')
+        self._beat()
+
+    on_epoch_begin = on_epoch_end = on_train_batch_begin = on_train_batch_end = _beat
+    on_test_batch_begin = on_test_batch_end = _beat
 
 
 class ReportSkips(keras.callbacks.Callback):

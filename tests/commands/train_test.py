@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -25,10 +26,11 @@ helpers.use_eight_cpus()
 REPO = helpers.REPO
 SMALL = helpers.small_run_flags(train_epochs=1, strategy='cpu')
 
-def run_main(*args):
-    """The command in a real process: (exit status, stderr)."""
+def run_main(*args, environment=None):
+    """The command in a real process (``environment``: variables added to its environment): (exit status,
+    stderr)."""
     process = subprocess.run([sys.executable, '-m', 'imagenet_tpu.commands.train', *args], cwd=REPO,
-                             env=helpers.subprocess_environment(),
+                             env=helpers.subprocess_environment(**(environment or {})),
                              capture_output=True, text=True, timeout=300)
     return process.returncode, process.stderr
 
@@ -203,8 +205,17 @@ class MainTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(results['eval_images'], 16)      # every good validation image, once
 
     def test_unknown_flag_in_flagfile(self):
-        self.assert_one_line_error(['--flagfile=' + self.flagfile], "Unknown command line flag 'bogus_setting'",
-                                   status=1, prefix='FATAL Flags parsing error', run=run_main)
+        # absl's own parser would say "FATAL Flags parsing error" and exit with 1 (commands/common.py).
+        self.assert_one_line_error(['--flagfile=' + self.flagfile],
+                                   "^error: Unknown command line flag 'bogus_setting'$", run=run_main)
+
+    def test_a_task_outside_the_cluster_of_tf_config(self):
+        # TensorFlow's own check raises a ValueError deep in MultiWorkerMirroredStrategy (cluster.check_tf_config).
+        tf_config = cluster.tf_config(cluster.local_workers(2), 1).replace('"index": 1', '"index": 2')
+        self.assert_one_line_error(SMALL + ['--data_dir=' + self.data_dir, '--strategy=multi_worker'],
+                                   r'^error: TF_CONFIG task index 2 is outside the cluster: worker has 2 tasks '
+                                   r'\(indices 0, 1\)$',
+                                   run=functools.partial(run_main, environment={'TF_CONFIG': tf_config}))
 
 
 if __name__ == '__main__':

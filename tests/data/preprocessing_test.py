@@ -1,16 +1,28 @@
 """Preprocessing against independent references: random crops within the configured area and aspect ranges
-and honouring boxes; evaluation crops of real photographs against PIL decoding and a NumPy centre crop."""
+and honouring boxes; evaluation crops of real photographs against PIL decoding and a NumPy centre crop; images
+whose header claims more pixels than MAX_IMAGE_PIXELS refused before decoding, as bad records of the pipeline."""
 
+import dataclasses
 import io
 import os
+import re
+import struct
 
 import numpy as np
 from PIL import Image
 import sklearn.datasets
 import tensorflow as tf
 
+import helpers
+from imagenet_tpu import train
+from imagenet_tpu.data import pipeline as input_pipeline
 from imagenet_tpu.data import preprocessing
+from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import tfrecord
 from imagenet_tpu.config import Config
+from imagenet_tpu.errors import DataError, summarize_graph_error
+
+helpers.use_eight_cpus()
 
 PHOTOS = [os.path.join(os.path.dirname(sklearn.datasets.__file__), 'images', name)
           for name in ('china.jpg', 'flower.jpg')]
@@ -179,6 +191,102 @@ class ResizeFilterTest(tf.test.TestCase):
         self.assertGreater(float(tf.reduce_max(tf.abs(train['bicubic'] - train['bilinear']))), 1.0)
         with self.assertRaisesRegex(ValueError, 'resize method must be one of'):
             preprocessing.preprocess_for_eval(encoded, 64, resize_method='lanczos5')
+
+
+def jpeg_claiming(width: int, height: int, seed: int = 0) -> bytes:
+    """A real 20 x 24 JPEG whose frame header (SOF0: marker, length, precision, height, width) claims
+    ``width`` x ``height``: about a kilobyte that would decode to width * height * 3 bytes."""
+    data = bytearray(tf.io.encode_jpeg(helpers.photo_like(20, 24, seed)).numpy())
+    start = data.index(b'\xff\xc0')
+    data[start + 5:start + 9] = struct.pack('>HH', height, width)
+    return bytes(data)
+
+
+TOO_LARGE = 'image too large: 13000 x 13000 pixels (at most 89,478,485 are decoded)'
+
+
+class ImageSizeLimitTest(tf.test.TestCase):
+
+    def test_the_limit_is_pillows(self):
+        self.assertEqual(preprocessing.MAX_IMAGE_PIXELS, Image.MAX_IMAGE_PIXELS)
+
+    def test_a_jpeg_claiming_too_many_pixels_is_refused_before_decoding(self):
+        bomb = tf.constant(jpeg_claiming(13000, 13000))
+        self.assertAllEqual(tf.image.extract_jpeg_shape(bomb), [13000, 13000, 3])
+        self.assertLess(len(bomb.numpy()), 2000)
+        # 9,460 x 9,460 is just over the limit (89,491,600 pixels); a wide one too (60,000 x 1,500).
+        for encoded in (bomb, tf.constant(jpeg_claiming(9460, 9460)), tf.constant(jpeg_claiming(60000, 1500))):
+            for name, preprocess in (
+                    ('train', lambda e: preprocessing.preprocess_for_train(e, tf.zeros([0, 4]), 16)),
+                    ('eval', lambda e: preprocessing.preprocess_for_eval(e, 16)),
+                    ('any', lambda e: preprocessing.preprocess_any_for_eval(e, 16)),
+                    ('full', preprocessing.decode_jpeg)):
+                for run in (preprocess, tf.function(preprocess)):      # eagerly, and in a graph as tf.data runs it
+                    with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'image too large: ', msg=name):
+                        run(encoded)
+        # In a graph (as in the input pipeline), the error's summary is the line.
+        with self.assertRaises(tf.errors.InvalidArgumentError) as raised:
+            tf.function(lambda e: preprocessing.preprocess_for_eval(e, 16))(bomb)
+        self.assertEqual(summarize_graph_error(raised.exception.message), TOO_LARGE)
+        # Legitimate images pass: the largest allowed square (9,459 x 9,459) is only a header here, so its shape.
+        self.assertAllEqual(preprocessing.jpeg_shape(tf.constant(jpeg_claiming(9459, 9459))), [9459, 9459, 3])
+        self.assertEqual(preprocessing.preprocess_for_eval(tf.constant(jpeg_claiming(24, 20)), 16).shape, [16, 16, 3])
+
+    def test_png_and_webp_headers_are_read_and_checked_before_decoding(self):
+        pixels = helpers.photo_like(36, 44, seed=3)
+        for kind, options in (('PNG', {}), ('WEBP', {}), ('WEBP', {'lossless': True}),
+                              ('WEBP', {'exif': b'Exif\0\0' + bytes(8)}), ('GIF', {}), ('BMP', {})):
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, kind, **options)
+            encoded = tf.constant(buffer.getvalue())
+            expected = [0, 0] if kind in ('GIF', 'BMP') else [36, 44]    # WebP: lossy, lossless and extended
+            self.assertAllEqual(preprocessing.header_shape(encoded), expected, msg=f'{kind} {options}')
+            self.assertEqual(preprocessing.preprocess_any_for_eval(encoded, 16).shape, [16, 16, 3])
+        self.assertAllEqual(preprocessing.header_shape(tf.constant(b'\x89PNG')), [0, 0])     # short: nothing read
+        png = bytearray(tf.io.encode_png(pixels).numpy())
+        png[16:24] = struct.pack('>II', 13000, 13000)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'image too large: 13000 x 13000 pixels'):
+            tf.function(lambda e: preprocessing.preprocess_any_for_eval(e, 16))(tf.constant(bytes(png)))
+
+
+class BombRecordTest(tf.test.TestCase):
+    """A record whose JPEG claims 13,000 x 13,000 pixels in the input pipeline: a bad record, skipped and
+    counted under bad_records='skip', an error naming it under 'fatal'."""
+
+    def setUp(self):
+        super().setUp()
+        self.data_dir = os.path.join(self.get_temp_dir(), 'bombs')
+        os.makedirs(self.data_dir, exist_ok=True)
+        good = [tfrecord.make_example(tf.io.encode_jpeg(helpers.photo_like(20, 24, i)).numpy(), i + 1, 20, 24)
+                for i in range(8)]
+        bomb = tfrecord.make_example(jpeg_claiming(13000, 13000), 1, 13000, 13000)
+        for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
+            tfrecord.write_shard(os.path.join(self.data_dir, tfrecord.shard_name(split, 0, 1)),
+                                 good[:3] + [bomb] + good[3:])
+        self.config = Config(data_dir=self.data_dir, num_classes=8, label_offset=1, image_size=16,
+                             global_batch_size=4, eval_batch_size=4, num_train_images=8, num_eval_images=8,
+                             shuffle_buffer=16, seed=3, deterministic=True)
+
+    def test_skipped_and_counted(self):
+        counts = record_io.SkipCounts()
+        batches = list(input_pipeline.eval_dataset(self.config, skip_counts=counts))
+        labels = np.concatenate([batch[1].numpy() for batch in batches])
+        weights = np.concatenate([batch[2].numpy() for batch in batches])
+        self.assertCountEqual(labels[weights == 1] + 1, range(1, 9))     # every legitimate image, once
+        self.assertEqual(counts.totals(), {'bad_records': 1, 'truncated_files': 0})
+        counts = record_io.SkipCounts()
+        labels = [labels.numpy() for _, labels in input_pipeline.train_dataset(self.config, skip_counts=counts)
+                  .take(3)]
+        self.assertCountEqual(np.concatenate(labels[:2]) + 1, range(1, 9))   # one epoch: the 8 legitimate images
+        self.assertBetween(counts.totals()['bad_records'], 1, 2)             # this epoch's, maybe the next one's
+
+    def test_an_error_under_bad_records_fatal(self):
+        config = dataclasses.replace(self.config, bad_records='fatal')
+        for dataset in (input_pipeline.eval_dataset(config), input_pipeline.train_dataset(config).take(4)):
+            with self.assertRaisesRegex(DataError, f'^bad input record: {re.escape(TOO_LARGE)}$'):
+                with train.input_errors():
+                    for _ in dataset:
+                        pass
 
 
 if __name__ == '__main__':

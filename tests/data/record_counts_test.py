@@ -1,5 +1,6 @@
-"""Record counts: counting from the length fields, the counts file beside the shards and its cache in model_dir,
-stale and wrong entries, and a resumed stream that reads only where it resumes."""
+"""Record counts: counting from the length fields, the counts file beside the shards and its cache in model_dir
+(used for remote files; local files are counted at every resume), stale, impossible and wrong entries, and a
+resumed stream that reads only where it resumes."""
 
 import dataclasses
 import os
@@ -26,6 +27,11 @@ def _records_read(path: str) -> int:
 def _bytes_read() -> int:
     with open('/proc/self/io') as f:
         return int(dict(line.split(': ') for line in f.read().splitlines())['rchar'])
+
+
+def _as_remote():
+    """Treats every path as remote (gs://...) within the block: the counts files are then trusted."""
+    return mock.patch.object(record_counts, 'is_local', lambda path: False)
 
 
 def _config(data_dir, **overrides):
@@ -66,7 +72,7 @@ class RecordCountsTest(tf.test.TestCase):
         tfrecord.write_shard(self.paths[1], examples + examples[:1])
         sizes = [os.path.getsize(path) for path in self.paths]
         lines = []
-        with mock.patch.object(record_counts, 'count_file', wraps=record_counts.count_file) as count:
+        with mock.patch.object(record_counts, 'count_file', wraps=record_counts.count_file) as count, _as_remote():
             counts = record_counts.lookup(self.paths, sizes, self.data_dir, self.model_dir, lines.append)
         self.assertEqual(counts, [12, 13, 12, 12])
         self.assertEqual([call.args[0] for call in count.call_args_list], [self.paths[1]])   # the others not read
@@ -75,12 +81,38 @@ class RecordCountsTest(tf.test.TestCase):
         self.assertEqual(record_counts.read(record_counts.path_in(self.model_dir)),
                          {self.paths[1]: (13, sizes[1])})
 
-    def test_shards_without_a_counts_file_are_counted_once_then_read_from_the_cache(self):
-        first = record_counts.lookup(self.paths, self.sizes, self.data_dir, self.model_dir, print)
-        self.assertEqual(first, [_records_read(path) for path in self.paths])
-        with mock.patch.object(record_counts, 'count_file', side_effect=AssertionError('counted again')):
-            self.assertEqual(record_counts.lookup(self.paths, self.sizes, self.data_dir, self.model_dir, print),
-                             first)
+    def test_remote_shards_without_a_counts_file_are_counted_once_then_read_from_the_cache(self):
+        with _as_remote():
+            first = record_counts.lookup(self.paths, self.sizes, self.data_dir, self.model_dir, print)
+            self.assertEqual(first, [_records_read(path) for path in self.paths])
+            with mock.patch.object(record_counts, 'count_file', side_effect=AssertionError('counted again')):
+                self.assertEqual(record_counts.lookup(self.paths, self.sizes, self.data_dir, self.model_dir, print),
+                                 first)
+
+    def test_local_shards_are_counted_whatever_the_counts_file_says(self):
+        # Counts with the right byte sizes but wrong numbers (more, fewer, zero, negative) moved a resume before.
+        wrong = [1180, 3, 0, -500]
+        record_counts.write(record_counts.path_in(self.data_dir),
+                            {os.path.basename(path): (count, size)
+                             for path, size, count in zip(self.paths, self.sizes, wrong)})
+        lines = []
+        counts = record_counts.lookup(self.paths, self.sizes, self.data_dir, self.model_dir, lines.append)
+        self.assertEqual(counts, [_records_read(path) for path in self.paths])
+        self.assertLen(lines, 4)
+        for count in (1180, 0, -500):
+            self.assertTrue(any(f' {count} records, impossible' in line for line in lines), (count, lines))
+        self.assertTrue(any('3 records but it holds 12' in line for line in lines), lines)
+
+    def test_impossible_remote_counts_are_counted_instead(self):
+        wrong = [10 ** 9, 0, -500, 12]
+        record_counts.write(record_counts.path_in(self.data_dir),
+                            {os.path.basename(path): (count, size)
+                             for path, size, count in zip(self.paths, self.sizes, wrong)})
+        lines = []
+        with _as_remote():
+            counts = record_counts.lookup(self.paths, self.sizes, self.data_dir, None, lines.append)
+        self.assertEqual(counts, [12] * 4)
+        self.assertLen(lines, 3)
 
     def test_a_malformed_counts_file_is_reported_and_not_used(self):
         with open(record_counts.path_in(self.data_dir), 'w') as f:
@@ -90,11 +122,20 @@ class RecordCountsTest(tf.test.TestCase):
                          [12] * 4)
         self.assertIn('line 1', lines[0])
 
-    def test_a_wrong_count_with_the_right_size_is_an_error_where_the_run_resumes(self):
+    def test_a_wrong_remote_count_with_the_right_size_is_an_error_where_the_run_resumes(self):
         record_counts.write(record_counts.path_in(self.data_dir),
                             {os.path.basename(path): (11, size) for path, size in zip(self.paths, self.sizes)})
-        with self.assertRaisesRegex(errors.DataError, 'gives .* 11 records but it holds 12'):
+        with self.assertRaisesRegex(errors.DataError, 'gives .* 11 records but it holds 12'), _as_remote():
             input_pipeline.train_dataset(_config(self.data_dir), start_step=3)
+
+    def test_a_wrong_local_count_does_not_move_the_resume(self):
+        config = _config(self.data_dir)
+        iterator = iter(input_pipeline.train_dataset(config, start_step=3))
+        expected = [next(iterator)[1].numpy() for _ in range(3)]
+        record_counts.write(record_counts.path_in(self.data_dir),
+                            {os.path.basename(path): (11, size) for path, size in zip(self.paths, self.sizes)})
+        iterator = iter(input_pipeline.train_dataset(config, start_step=3, log=lambda line: None))
+        self.assertAllEqual([next(iterator)[1].numpy() for _ in range(3)], expected)
 
     def test_a_resumed_stream_reads_only_the_files_where_it_resumes(self):
         # 32 shards of 12 records, 2 files per round: a fresh stream's first batch reads its first rounds; a

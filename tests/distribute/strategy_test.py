@@ -1,6 +1,7 @@
 """Strategies: a TPU or GPU strategy where there is none is a one-line ConfigError naming the fix (the real TPU
 attempt runs in a process of its own: main_test)."""
 
+import os
 import types
 from unittest import mock
 
@@ -9,6 +10,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import helpers
+from imagenet_tpu.distribute import cluster
 from imagenet_tpu.distribute import strategy
 from imagenet_tpu import train
 from imagenet_tpu.config import Config, ConfigError
@@ -82,6 +84,46 @@ class StrategyTest(tf.test.TestCase):
     def test_tpu_strategy_needs_a_name(self):
         with self.assertRaisesRegex(ConfigError, "needs --tpu=NAME"):
             strategy.make_strategy('tpu')
+
+    def test_a_tf_config_that_cannot_work_is_one_line_naming_what_is_wrong(self):
+        workers = '{"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]}'
+        cases = (
+            ('{"cluster": ',
+             r'^TF_CONFIG is not JSON \(Expecting value: line 1 column 13 \(char 12\)\); expected e\.g\. \{"cluster'),
+            ('["10.0.0.1:2222"]', r'^TF_CONFIG is a JSON list, not an object'),
+            ('{"task": {"type": "worker", "index": 0}}', r'^TF_CONFIG has no "cluster"'),
+            (f'{{"cluster": {workers}}}', r'^TF_CONFIG has no "task"'),
+            (f'{{"cluster": {workers}, "task": {{"type": "worker", "index": 2}}}}',
+             r'^TF_CONFIG task index 2 is outside the cluster: worker has 2 tasks \(indices 0, 1\)$'),
+            (f'{{"cluster": {workers}, "task": {{"type": "worker", "index": -1}}}}',
+             r'^TF_CONFIG task index -1 is not a count'),
+            (f'{{"cluster": {workers}, "task": {{"type": "ps", "index": 0}}}}',
+             r'^TF_CONFIG task type "ps" is not a job of its cluster \(worker\)$'),
+            (f'{{"cluster": {workers}, "task": {{"index": 0}}}}', r'^TF_CONFIG "task" must be \{"type": JOB'),
+            ('{"cluster": {"worker": ["10.0.0.1"]}, "task": {"type": "worker", "index": 0}}',
+             r'^TF_CONFIG job .worker. has "10.0.0.1", not a host:port address$'),
+            ('{"cluster": {"worker": []}, "task": {"type": "worker", "index": 0}}',
+             r'^TF_CONFIG job .worker. must be a list of host:port addresses'),
+            ('{"cluster": {"trainer": ["10.0.0.1:2222"]}, "task": {"type": "trainer", "index": 0}}',
+             r'^TF_CONFIG "cluster" has a job .trainer.; jobs are chief, worker, evaluator, ps$'),
+        )
+        for tf_config, expected in cases:
+            with self.subTest(tf_config=tf_config):
+                with self.assertRaisesRegex(ConfigError, expected) as raised:
+                    cluster.check_tf_config(tf_config)
+                self.assertNotIn('\n', str(raised.exception))
+                # make_strategy checks it before TensorFlow reads TF_CONFIG (whose errors are tracebacks).
+                with mock.patch.dict(os.environ, {'TF_CONFIG': tf_config}):
+                    with self.assertRaisesRegex(ConfigError, expected):
+                        strategy.make_strategy('multi_worker')
+
+    def test_the_tf_configs_tensorflow_takes_pass_the_check(self):
+        for tf_config in (None, '', cluster.tf_config(['10.0.0.1:2222', '10.0.0.2:2222'], 1),
+                          '{"cluster": {"chief": ["a:1"], "worker": ["b:1"]}, "task": {"type": "chief", "index": 0}}',
+                          '{"cluster": {"worker": {"1": "b:1"}}, "task": {"type": "worker", "index": "1"}}',
+                          '{"cluster": {"worker": ["[::1]:2222"]}, "task": {"type": "worker", "index": 0}}',
+                          '{"cluster": {"worker": ["a:1"]}, "task": {"type": "evaluator", "index": 0}}'):
+            cluster.check_tf_config(tf_config)
 
 
 if __name__ == '__main__':

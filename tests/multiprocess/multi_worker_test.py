@@ -21,6 +21,7 @@ from absl.testing import flagsaver
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 import helpers
 from imagenet_tpu import train
@@ -118,6 +119,21 @@ class MultiWorkerTest(tf.test.TestCase):
         with open(os.path.join(self.reference_dir, 'results.json')) as f:
             self.assertEqual(json.load(f)['eval_images'], 20)
 
+    def test_progress_lines_of_every_worker_show_the_global_loss_and_top_1(self):
+        # The last progress line of an epoch and its end line are at the same step: the same figures (Keras summed
+        # the step's outputs over the workers, so the progress lines showed loss and top-1 x 2).
+        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        compared = 0
+        for index in range(2):
+            lines = re.findall(rf'\[worker {index}\] epoch \S+ step (\d+)/\d+ loss (\S+) top-1 (\S+)%(.*)',
+                               self.reference.stdout)
+            within = {step: (loss, top_1) for step, loss, top_1, rest in lines if 'memory' not in rest}
+            for step, loss, top_1, rest in lines:
+                if 'memory' in rest:
+                    self.assertEqual(within[step], (loss, top_1), f'worker {index} step {step}')
+                    compared += 1
+        self.assertGreaterEqual(compared, 4)
+
     def reference_config(self, **overrides):
         """The reference run's settings as its command line gives them."""
         common.define_flags()
@@ -140,7 +156,7 @@ class MultiWorkerTest(tf.test.TestCase):
         # One device trains from the same initial weights (seed 1) on the pod's global batches in the pod's order:
         # step s is host 0's per-replica batches 2s and 2s + 1 (replicas 0 and 1), then host 1's (replicas 2 and
         # 3), each host's stream built as its worker builds it (input pipeline p of 2, after the process settings
-        # of a run: seed and op determinism). The pod's batch norm spans all 4 replicas, so one device normalizing
+        # of a run: its seed). The pod's batch norm spans all 4 replicas, so one device normalizing
         # the 8 images together computes the same function, and the pod's 2 fit calls (a resume of the stream at
         # step 12) change nothing. Only the order of float32 sums differs (all-reduces over replicas and hosts
         # against one device's reductions): measured at most 3.6e-7 over every tensor after 16 steps; the bound
@@ -148,7 +164,9 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
         # ('reestimate' with groups of 1 builds the pod's GroupBatchNormalization layers, with one device's group.)
         config = self.reference_config(strategy='default', bn_group_size=1, bn_inference_statistics='reestimate')
-        train.prepare_process(config)
+        # The seed of a run (train.prepare_process), without its op determinism: that stays on for the rest of
+        # this process, where it would refuse XLA's max-pool gradient in tests that come after.
+        tf_keras.utils.set_random_seed(config.seed)
         classifier = train.build_classifier(config)
         streams = []
         for host in range(2):

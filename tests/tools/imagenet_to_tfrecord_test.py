@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 from PIL import Image
@@ -18,6 +19,8 @@ helpers.use_eight_cpus()
 
 REPO = helpers.REPO
 TOOL = os.path.join(REPO, 'tools', 'data', 'imagenet_to_tfrecord.py')
+sys.path.insert(0, os.path.dirname(TOOL))
+import imagenet_to_tfrecord  # noqa: E402  pylint: disable=wrong-import-position
 WNIDS = ('n01440764', 'n01443537', 'n01484850')
 
 
@@ -56,10 +59,16 @@ def build_tree(root):
         f.write('\n'.join(truth) + '\n')
     os.makedirs(os.path.join(root, 'bbox', WNIDS[0]))
     with open(os.path.join(root, 'bbox', WNIDS[0], f'{WNIDS[0]}_0.xml'), 'w') as f:
-        f.write('<annotation><size><width>50</width><height>40</height></size>'
-                '<object><bndbox><xmin>5</xmin><ymin>4</ymin><xmax>45</xmax><ymax>30</ymax></bndbox></object>'
-                '</annotation>')
+        f.write(BOX_XML)
+    with open(os.path.join(root, 'bbox', WNIDS[0], f'{WNIDS[0]}_2.xml'), 'w') as f:
+        f.write(BOX_XML[:40])   # cut short: the image is converted without boxes
     return truth, odd
+
+
+# A box of pixels (5, 4)-(45, 30) on an image of 50x40: relative (ymin, xmin, ymax, xmax) = (0.1, 0.1, 0.75, 0.9).
+BOX_XML = ('<annotation><size><width>50</width><height>40</height></size>'
+           '<object><bndbox><xmin>5</xmin><ymin>4</ymin><xmax>45</xmax><ymax>30</ymax></bndbox></object>'
+           '</annotation>')
 
 
 def run_tool(raw, out, *extra):
@@ -101,7 +110,10 @@ class ConverterTest(tf.test.TestCase):
         self.assertRegex(process.stdout, r'shards \d/5, .* images/s, ETA')
         self.assertIn('skipped unreadable image', process.stdout)
         self.assertIn('broken.JPEG', open(os.path.join(out, 'skipped_images.txt')).read())
-        self.assertIn('done: 13 records in 5 new shards, 2 re-encoded, 1 skipped', process.stdout)
+        self.assertIn(f'ignored malformed box file: {raw}/bbox/{WNIDS[0]}/{WNIDS[0]}_2.xml (not XML (', process.stdout)
+        self.assertIn('done: 13 records in 5 new shards, 2 re-encoded, 1 skipped, 1 malformed box file ignored',
+                      process.stdout)
+        self.assertNotIn('Traceback', process.stderr)
 
         train = read_split(out, 'train')
         self.assertLen(train, 9)
@@ -123,6 +135,7 @@ class ConverterTest(tf.test.TestCase):
             self.assertLess(np.abs(decoded - reference).mean(), 8.0)
         # The box of n01440764_0: pixels (5, 4)-(45, 30) of 50x40 -> relative (ymin, xmin, ymax, xmax).
         self.assertAllClose(train[f'{WNIDS[0]}_0.JPEG'][0]['boxes'], [[0.1, 0.1, 0.75, 0.9]])
+        self.assertEqual(train[f'{WNIDS[0]}_2.JPEG'][0]['boxes'].shape[0], 0)
 
         validation = read_split(out, 'validation')
         labels = [int(validation[f'ILSVRC2012_val_{i + 1:08d}.JPEG'][0]['label']) for i in range(4)]
@@ -146,6 +159,37 @@ class ConverterTest(tf.test.TestCase):
         for name, (records, size) in counts.items():
             path = os.path.join(out, name)
             self.assertEqual((records, size), (sum(1 for _ in tf.data.TFRecordDataset(path)), os.path.getsize(path)))
+
+    def test_a_malformed_box_file_is_ignored_and_counted(self):
+        folder = tempfile.mkdtemp(prefix='boxes-', dir=self.get_temp_dir())
+        image = os.path.join(folder, 'n01440764_0.JPEG')
+        _save(image, helpers.photo_like(40, 50, seed=1), 'JPEG')
+        boxes = {'good': BOX_XML, 'cut_short': BOX_XML[:40], 'empty': '',
+                 'no_size': BOX_XML.replace('<width>50</width>', ''),
+                 'not_a_number': BOX_XML.replace('<xmax>45</xmax>', '<xmax>forty</xmax>'),
+                 'zero_width': BOX_XML.replace('<width>50</width>', '<width>0</width>')}
+        for name, content in boxes.items():
+            with open(os.path.join(folder, f'{name}.xml'), 'w') as f:
+                f.write(content)
+        items = [imagenet_to_tfrecord.Item(image, 1, WNIDS[0], os.path.join(folder, f'{name}.xml'))
+                 for name in boxes] + [imagenet_to_tfrecord.Item(image, 1, WNIDS[0], os.path.join(folder, 'gone.xml'))]
+        shard = os.path.join(folder, tfrecord.shard_name('train', 0, 1))
+        path, count, reencoded, skipped, bad_boxes = imagenet_to_tfrecord.write_task(
+            imagenet_to_tfrecord.ShardTask(shard, items))
+        self.assertEqual((path, count, reencoded, skipped), (shard, 7, [], []))   # every image, boxes or not
+        reasons = {os.path.basename(box_file)[:-4]: reason for box_file, reason in bad_boxes}
+        self.assertEqual(sorted(reasons), ['cut_short', 'empty', 'gone', 'no_size', 'not_a_number', 'zero_width'])
+        self.assertRegex(reasons['cut_short'], r'^not XML \(.*line 1')
+        self.assertEqual(reasons['no_size'], '<size/width> is missing, not a number')
+        self.assertEqual(reasons['not_a_number'], "<xmax> is 'forty', not a number")
+        self.assertEqual(reasons['zero_width'], 'image size 0x40')
+        self.assertIn('No such file or directory', reasons['gone'])
+        records = [tfrecord.parse_example(serialized) for serialized in tf.data.TFRecordDataset(shard)]
+        self.assertAllClose(records[0]['boxes'], [[0.1, 0.1, 0.75, 0.9]])
+        self.assertEqual([int(record['boxes'].shape[0]) for record in records[1:]], [0] * 6)
+        stats = dict(records=7, reencoded=[], skipped=[], bad_boxes=bad_boxes, shards_written=1)
+        self.assertEqual(imagenet_to_tfrecord.summary(stats),
+                         'done: 7 records in 1 new shards, 0 re-encoded, 0 skipped, 6 malformed box files ignored')
 
     def test_bad_tree_is_a_one_line_error(self):
         process = subprocess.run([sys.executable, TOOL, f'--raw_dir={self.get_temp_dir()}/none',

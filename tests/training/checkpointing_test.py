@@ -34,8 +34,12 @@ class ModelSettingsTest(tf.test.TestCase):
                                           model_dir=os.path.join(self.get_temp_dir(), 'run'))
 
     def test_resuming_a_different_model_is_refused_by_name(self):
-        checkpointing.check_model_settings(self.config, self.config.model_dir)
+        checkpointing.ensure_writable(self.config.model_dir)
+        checkpointing.record_run(self.config)
         other = dataclasses.replace(self.config, depth=34, num_classes=5)
+        checkpointing.check_model_settings(other, self.config.model_dir)   # no checkpoint yet: nothing binds it
+        os.makedirs(os.path.join(self.config.model_dir, 'checkpoints'))
+        open(os.path.join(self.config.model_dir, 'checkpoints', 'ckpt-3.index'), 'w').close()
         with self.assertRaisesRegex(errors.CheckpointError, r"different model \(depth=10 there, 34 now; "
                                                  r"num_classes=10 there, 5 now\)"):
             checkpointing.check_model_settings(other, self.config.model_dir)

@@ -187,17 +187,30 @@ class CheckpointAtomicityTest(tf.test.TestCase):
         path = checkpointing.restore_latest(self.manager, messages.append)
         return path, messages
 
-    def test_a_crash_while_writing_leaves_the_previous_checkpoint_latest(self):
-        # A save cut short: the files of step 8 written, the directory's index not yet updated, and the
-        # temporary folder of a save that died earlier still there.
+    def test_a_crash_while_writing_resumes_from_the_newest_complete_checkpoint(self):
+        # A save cut short: the files of step 8 written, the directory's state file not yet updated, and the
+        # temporary folder of a save that died earlier still there. Checkpoints are found by their .index files:
+        # the complete ckpt-8 is the newest (the state file is only TensorFlow's hint); the folder is passed over.
+        expected = [w.copy() for w in self.classifier.network.get_weights()]
         self.manager.checkpoint.write(os.path.join(self.manager.directory, 'ckpt-8'))
         os.makedirs(os.path.join(self.manager.directory, 'ckpt-12_temp'))
         with open(os.path.join(self.manager.directory, 'ckpt-12_temp', 'part-00000-of-00001.data-00000-of-00001'),
                   'wb') as f:
             f.write(b'half')
         path, messages = self.restore()
-        self.assertEqual(os.path.basename(path), 'ckpt-4')
+        self.assertEqual(os.path.basename(path), 'ckpt-8')
         self.assertEqual(messages, [])
+        self.assertEqual(int(self.classifier.optimizer.iterations.numpy()), 8)
+        for restored, saved in zip(self.classifier.network.get_weights(), expected):
+            self.assertAllEqual(restored, saved)
+
+    def test_a_crash_while_writing_the_index_leaves_the_previous_checkpoint_latest(self):
+        self.manager.checkpoint.write(os.path.join(self.manager.directory, 'ckpt-8'))
+        with open(os.path.join(self.manager.directory, 'ckpt-8.index'), 'r+b') as f:
+            f.truncate(20)
+        path, messages = self.restore()
+        self.assertEqual(os.path.basename(path), 'ckpt-4')
+        self.assertLen(messages, 1)
         self.assertEqual(int(self.classifier.optimizer.iterations.numpy()), 4)
         for restored, saved in zip(self.classifier.network.get_weights(), self.saved):
             self.assertAllEqual(restored, saved)

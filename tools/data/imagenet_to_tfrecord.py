@@ -14,8 +14,9 @@ shard's records and bytes, which lets a resumed training run find its place with
 
 Labels are 1..1000 on disk: the wnids sorted, the first is 1. The known odd files (one PNG and 22 CMYK JPEGs in
 the training set) are re-encoded as RGB JPEG; an image that cannot be read at all is skipped and listed at the
-end. Each shard is written under a temporary name and renamed when complete, so re-running an interrupted
-conversion skips the shards already done.
+end. A bounding-box file that is not ILSVRC XML (cut short, no image size, ...) is ignored, its image written
+without boxes, and counted at the end. Each shard is written under a temporary name and renamed when complete,
+so re-running an interrupted conversion skips the shards already done.
 
     python tools/data/imagenet_to_tfrecord.py --raw_dir /data/imagenet --output_dir /data/imagenet-tfrecord \
         --validation_labels imagenet_2012_validation_synset_labels.txt --bbox_dir /data/imagenet/bbox
@@ -29,22 +30,6 @@ import sys
 import time
 import xml.etree.ElementTree as ElementTree
 from typing import List, NamedTuple, Optional
-
-from absl import app, flags
-
-
-_RAW_DIR = flags.DEFINE_string('raw_dir', None, 'ImageNet root holding train/ and validation/ (or val/).')
-_OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Where the TFRecord shards are written.')
-_VALIDATION_LABELS = flags.DEFINE_string('validation_labels', None,
-                                         'Validation ground truth: one wnid per line in sorted file order, or '
-                                         '"<file> <wnid>" lines. Not needed when validation/ has class folders.')
-_BBOX_DIR = flags.DEFINE_string('bbox_dir', None, 'Folder of ILSVRC bounding-box XML files (optional).')
-_TRAIN_SHARDS = flags.DEFINE_integer('train_shards', 1024, 'Training shards (tensorflow/tpu: 1024).')
-_VALIDATION_SHARDS = flags.DEFINE_integer('validation_shards', 128, 'Validation shards (tensorflow/tpu: 128).')
-_NUM_WORKERS = flags.DEFINE_integer('num_workers', os.cpu_count(), 'Processes encoding shards in parallel.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the order of training images across shards.')
-_SYNSET_WORDS = flags.DEFINE_string('synset_words', None, "ILSVRC's synset_words.txt ('n01440764 tench, Tinca "
-                                    "tinca' per line): the class names written to labels.txt (else the wnids).")
 
 IMAGE_EXTENSIONS = ('.jpeg', '.jpg', '.png')
 
@@ -130,14 +115,29 @@ def find_validation(raw_dir: str, wnids: List[str], labels_file: Optional[str], 
 
 
 def read_boxes(xml_path: Optional[str]) -> list:
-    """Boxes of an ILSVRC XML file as relative (xmin, ymin, xmax, ymax), clipped to [0, 1]; [] when absent."""
+    """Boxes of an ILSVRC XML file as relative (xmin, ymin, xmax, ymax), clipped to [0, 1]; [] when absent.
+    ValueError, in one line, for a file that is not such XML (cut short, no image size, a coordinate that is no
+    number); OSError for one that cannot be read."""
     if not xml_path:
         return []
-    root = ElementTree.parse(xml_path).getroot()
-    width, height = float(root.findtext('size/width')), float(root.findtext('size/height'))
+    try:
+        root = ElementTree.parse(xml_path).getroot()
+    except ElementTree.ParseError as error:
+        raise ValueError(f'not XML ({error})') from None
+
+    def number(element, key: str) -> float:
+        text = element.findtext(key)
+        try:
+            return float(text)
+        except (TypeError, ValueError):
+            raise ValueError(f'<{key}> is {"missing" if text is None else repr(text)}, not a number') from None
+
+    width, height = number(root, 'size/width'), number(root, 'size/height')
+    if width <= 0 or height <= 0:
+        raise ValueError(f'image size {width:g}x{height:g}')
     boxes = []
     for box in root.iter('bndbox'):
-        xmin, ymin, xmax, ymax = (float(box.findtext(key)) for key in ('xmin', 'ymin', 'xmax', 'ymax'))
+        xmin, ymin, xmax, ymax = (number(box, key) for key in ('xmin', 'ymin', 'xmax', 'ymax'))
         xmin, xmax = max(0.0, xmin / width), min(1.0, xmax / width)
         ymin, ymax = max(0.0, ymin / height), min(1.0, ymax / height)
         if xmin < xmax and ymin < ymax:
@@ -162,11 +162,12 @@ def load_jpeg(path: str):
 
 
 def write_task(task: ShardTask):
-    """Worker: encodes one shard. Returns (path, records written, re-encoded paths, [(path, reason) skipped])."""
+    """Worker: encodes one shard. Returns (path, records written, re-encoded paths, [(path, reason) skipped],
+    [(box file, reason) of malformed box files]: their images are written without boxes)."""
     from imagenet_tpu import runtime
     runtime.import_tensorflow()   # a quiet start in each worker process (no CUDA-probe line without a GPU)
     from imagenet_tpu.data import tfrecord
-    reencoded, skipped = [], []
+    reencoded, skipped, bad_boxes = [], [], []
 
     def examples():
         for item in task.items:
@@ -177,12 +178,17 @@ def write_task(task: ShardTask):
                 continue
             if converted:
                 reencoded.append(item.path)
+            try:
+                boxes = read_boxes(item.bbox_xml)
+            except (ValueError, OSError) as error:
+                bad_boxes.append((item.bbox_xml, str(error)))
+                boxes = []
             yield tfrecord.make_example(encoded, item.label, height, width, synset=item.synset,
                                         filename=os.path.basename(item.path),
-                                        boxes=[tfrecord.Box(*b) for b in read_boxes(item.bbox_xml)])
+                                        boxes=[tfrecord.Box(*b) for b in boxes])
 
     count = tfrecord.write_shard(task.path, examples())
-    return task.path, count, reencoded, skipped
+    return task.path, count, reencoded, skipped, bad_boxes
 
 
 def make_tasks(output_dir: str, split: str, items: List[Item], num_shards: int) -> List[ShardTask]:
@@ -213,8 +219,9 @@ def write_labels(output_dir: str, wnids: List[str], synset_words: Optional[str] 
 def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] = None,
             bbox_dir: Optional[str] = None, train_shards: int = 1024, validation_shards: int = 128,
             num_workers: int = 1, seed: int = 0, synset_words: Optional[str] = None, print_fn=print) -> dict:
-    """Writes all missing shards, labels.txt and record_counts.txt (record_counts.py); returns counts: records, reencoded, skipped (list of (path,
-    reason)), shards_written, shards_skipped."""
+    """Writes all missing shards, labels.txt and record_counts.txt (record_counts.py); returns counts: records,
+    reencoded, skipped (list of (path, reason)), bad_boxes (list of (box file, reason): malformed box files, whose
+    images are written without boxes), shards_written, shards_skipped."""
     boxes = index_boxes(bbox_dir)
     train_items, wnids = find_train(raw_dir, boxes)
     validation_items = find_validation(raw_dir, wnids, validation_labels, boxes)
@@ -226,15 +233,17 @@ def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] =
     todo = [task for task in tasks if not os.path.exists(task.path)]
     print_fn(f'{len(wnids)} classes, {len(train_items)} training and {len(validation_items)} validation images; '
              f'{len(tasks) - len(todo)} of {len(tasks)} shards already complete')
-    stats = dict(records=0, reencoded=[], skipped=[], shards_written=0, shards_skipped=len(tasks) - len(todo))
+    stats = dict(records=0, reencoded=[], skipped=[], bad_boxes=[], shards_written=0,
+                 shards_skipped=len(tasks) - len(todo))
     total_images = sum(len(task.items) for task in todo)
     started, images_done, written = time.perf_counter(), 0, {}
     context = multiprocessing.get_context('spawn')  # TensorFlow does not survive fork
     with context.Pool(max(1, num_workers)) as pool:
-        for path, count, reencoded, skipped in pool.imap_unordered(write_task, todo):
+        for path, count, reencoded, skipped, bad_boxes in pool.imap_unordered(write_task, todo):
             stats['records'] += count
             stats['reencoded'] += reencoded
             stats['skipped'] += skipped
+            stats['bad_boxes'] += bad_boxes
             stats['shards_written'] += 1
             written[path] = count
             images_done += count + len(skipped)
@@ -250,11 +259,20 @@ def convert(raw_dir: str, output_dir: str, *, validation_labels: Optional[str] =
             for path, reason in stats['skipped']:
                 print_fn(f'skipped unreadable image: {path} ({reason})')
                 log.write(f'{path}\t{reason}\n')
+    for path, reason in stats['bad_boxes']:
+        print_fn(f'ignored malformed box file: {path} ({reason}); its image has no boxes')
     from imagenet_tpu.data import record_counts
     record_counts.write_beside(output_dir, written)
-    print_fn(f'done: {stats["records"]:,} records in {stats["shards_written"]} new shards, '
-             f'{len(stats["reencoded"])} re-encoded, {len(stats["skipped"])} skipped')
+    print_fn(summary(stats))
     return stats
+
+
+def summary(stats: dict) -> str:
+    """The last line of a conversion: records and shards written, images re-encoded and skipped, box files
+    ignored."""
+    return (f'done: {stats["records"]:,} records in {stats["shards_written"]} new shards, '
+            f'{len(stats["reencoded"])} re-encoded, {len(stats["skipped"])} skipped, '
+            f'{len(stats["bad_boxes"])} malformed box file{"s" if len(stats["bad_boxes"]) != 1 else ""} ignored')
 
 
 def main(argv):
@@ -272,4 +290,18 @@ def main(argv):
 
 
 if __name__ == '__main__':
+    # Flags only when run as a script: the tests import this module beside the training flags (--seed, ...).
+    from absl import app, flags
+    _RAW_DIR = flags.DEFINE_string('raw_dir', None, 'ImageNet root holding train/ and validation/ (or val/).')
+    _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Where the TFRecord shards are written.')
+    _VALIDATION_LABELS = flags.DEFINE_string('validation_labels', None,
+                                             'Validation ground truth: one wnid per line in sorted file order, or '
+                                             '"<file> <wnid>" lines. Not needed when validation/ has class folders.')
+    _BBOX_DIR = flags.DEFINE_string('bbox_dir', None, 'Folder of ILSVRC bounding-box XML files (optional).')
+    _TRAIN_SHARDS = flags.DEFINE_integer('train_shards', 1024, 'Training shards (tensorflow/tpu: 1024).')
+    _VALIDATION_SHARDS = flags.DEFINE_integer('validation_shards', 128, 'Validation shards (tensorflow/tpu: 128).')
+    _NUM_WORKERS = flags.DEFINE_integer('num_workers', os.cpu_count(), 'Processes encoding shards in parallel.')
+    _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the order of training images across shards.')
+    _SYNSET_WORDS = flags.DEFINE_string('synset_words', None, "ILSVRC's synset_words.txt ('n01440764 tench, Tinca "
+                                        "tinca' per line): the class names written to labels.txt (else the wnids).")
     app.run(main)

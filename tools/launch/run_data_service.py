@@ -8,6 +8,10 @@ Each process is `python -m imagenet_tpu.commands.data_service dispatcher|worker 
 Ctrl-C (or SIGTERM) stops them all; if one of them exits, the others are stopped and its exit status is
 returned. On several machines, run the dispatcher on one and workers on the others (README.md, "Input on a
 tf.data service").
+
+The servers are named localhost here, but TensorFlow's tf.data servers listen on every interface of the machine
+and authenticate no one (imagenet_tpu/commands/data_service.py cites the source): on a machine that other hosts
+can reach, firewall the ports (BUILD.md, "The tf.data service on a network").
 """
 
 import os
@@ -50,7 +54,7 @@ def run_service(num_workers: int, port: int, worker_timeout_ms: int = 0, log_dir
         os.makedirs(log_dir, exist_ok=True)
     port = port or cluster.free_ports(1)[0]
     threads = []
-    processes = [_start('dispatcher', _command('dispatcher', f'--port={port}',
+    processes = [_start('dispatcher', _command('dispatcher', f'--port={port}', '--host=localhost',
                                                f'--worker_timeout_ms={worker_timeout_ms}'), log_dir, threads)]
     processes += [_start(f'worker {index}', _command('worker', f'--dispatcher=localhost:{port}', '--host=localhost'),
                          log_dir, threads) for index in range(num_workers)]

@@ -1,0 +1,27 @@
+"""The console scripts: each takes SIGTERM over (training/termination.py) before its command's module imports
+TensorFlow, then runs the command. ``python -m imagenet_tpu.commands.NAME`` does the same at the top of NAME.py."""
+
+import importlib
+
+from imagenet_tpu.training import termination
+
+
+def _run(name: str) -> None:
+    termination.listen()
+    importlib.import_module(f'imagenet_tpu.commands.{name}').run()
+
+
+def train() -> None:
+    _run('train')
+
+
+def evaluate() -> None:
+    _run('evaluate')
+
+
+def classify() -> None:
+    _run('classify')
+
+
+def plan() -> None:
+    _run('plan')
