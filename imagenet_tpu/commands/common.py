@@ -99,6 +99,9 @@ def usage(doc: str, command_flags: Sequence[str] = (), training_flags: bool = Tr
             else:
                 lines.append(f'  --{name}' + (' (not set by default)' if flag.default is None else f'={flag.default}'))
             lines += textwrap.wrap(flag.help, 100, initial_indent='      ', subsequent_indent='      ')
+    if training_flags:
+        lines += ['', '--recipe=NAME stands for --flagfile of a recipe that comes with the package (flags after it '
+                  'override it; --recipe=list lists them): ' + ', '.join(recipes())]
     for section in config_lib.SECTIONS if training_flags else ():
         lines += ['', f'{section.capitalize()}:']
         for field, kind in config_lib.settings():
@@ -145,11 +148,48 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
         fail(flag_error_message(error))
 
 
+def recipe_folder() -> str:
+    """The folder of the recipes: imagenet_tpu/recipes, the files themselves in an installed package and a link to
+    flags/ in a checkout."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'recipes')
+
+
+def recipes() -> List[str]:
+    """The names of the recipes that come with the package (flags/NAME.cfg), sorted."""
+    folder = recipe_folder()
+    return sorted(name[:-len('.cfg')] for name in os.listdir(folder) if name.endswith('.cfg')) \
+        if os.path.isdir(folder) else []
+
+
+def expand_recipes(argv: Sequence[str]) -> List[str]:
+    """``argv`` with each --recipe=NAME (or --recipe NAME) replaced by --flagfile= of that recipe, at its place
+    (so flags after it override it, as after a --flagfile). --recipe=list prints the names and exits."""
+    expanded, arguments = [], list(argv)
+    while arguments:
+        argument = arguments.pop(0)
+        if argument in ('--recipe', '-recipe') and arguments:
+            argument = f'--recipe={arguments.pop(0)}'
+        if not argument.startswith(('--recipe=', '-recipe=')):
+            expanded.append(argument)
+            continue
+        name = argument.split('=', 1)[1]
+        names = recipes()
+        if name == 'list':
+            print('\n'.join(names))
+            sys.exit(0)
+        if name not in names:
+            fail(f'no recipe {name!r}; the recipes are {", ".join(names)} (or --flagfile=PATH of your own)')
+        expanded.append(f'--flagfile={os.path.join(recipe_folder(), name + ".cfg")}')
+    return expanded
+
+
 def run_with_help(main, doc: str, argv=None, command_flags: Sequence[str] = (), training_flags: bool = True) -> None:
     """A console script: our --help (absl's shows only the flags of the script's own module; usage() says what
-    ours lists), then absl's app.run with our flag parser (parse_flags: a bad flag or flagfile is one line)."""
+    ours lists), then absl's app.run with our flag parser (parse_flags: a bad flag or flagfile is one line).
+    --recipe=NAME stands for the --flagfile of a recipe that comes with the package (expand_recipes)."""
     argv = list(sys.argv if argv is None else argv)
     if any(arg in HELP_FLAGS for arg in argv[1:]):
         sys.stdout.write(usage(doc, command_flags, training_flags))
         sys.exit(0)
+    argv = argv[:1] + expand_recipes(argv[1:]) if training_flags else argv
     app.run(main, argv, flags_parser=parse_flags)

@@ -127,10 +127,24 @@ def checkpoint_variables(manager: tf.train.CheckpointManager) -> list:
     return variables
 
 
+_FINITE_CHECKS = {}     # (variable refs) -> the traced check of those variables (a few lists per process)
+
+
 def nonfinite_variables(variables: list) -> List[str]:
-    """Names of the floating-point variables holding a NaN or an infinity (one device read per variable)."""
-    return [variable.name for variable in variables if variable.dtype.is_floating
-            and not bool(tf.reduce_all(tf.math.is_finite(tf.convert_to_tensor(variable))))]
+    """Names of the floating-point variables holding a NaN or an infinity: one traced call for the whole list
+    (cached for the list: the check before every save reads ~160 variables of a ResNet in one step)."""
+    variables = [variable for variable in variables if variable.dtype.is_floating]
+    if not variables:
+        return []
+    key = tuple(variable.ref() for variable in variables)
+    check = _FINITE_CHECKS.get(key)
+    if check is None:
+        if len(_FINITE_CHECKS) >= 8:
+            _FINITE_CHECKS.clear()
+        check = tf.function(lambda: tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in variables]))
+        _FINITE_CHECKS[key] = check
+    finite = check().numpy()
+    return [variable.name for variable, ok in zip(variables, finite) if not ok]
 
 
 def save_checkpoint(manager: tf.train.CheckpointManager, step: int) -> None:
