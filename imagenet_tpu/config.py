@@ -50,6 +50,20 @@ def parse_mesh_shape(text: Optional[str]) -> Optional[Tuple[int, int]]:
     return x, y
 
 
+def parse_step_range(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """'100,110' -> (100, 110): steps START..END (both counted from the run's first step, 1), START <= END;
+    empty stays None."""
+    if not text:
+        return None
+    try:
+        start, end = (int(part) for part in text.split(','))
+    except ValueError:
+        raise ConfigError(f'--profile_steps must be START,END (steps, e.g. 100,110), got {text!r}') from None
+    if not 1 <= start <= end:
+        raise ConfigError(f'--profile_steps must have 1 <= START <= END, got {text!r}')
+    return start, end
+
+
 # TPU slice names: cores in the name for v2, v3, v4 and v5p (2 TensorCores per chip; v4 and v5p show a chip as one
 # device), chips for v5e and v6e (one core each). Hosts hold 4 chips (v2, v3: 8 cores; v4, v5p: 4 chips); v5e and
 # v6e slices of up to 8 chips are one host, larger ones 4 chips per host. (Cloud TPU's system architecture pages.)
@@ -291,6 +305,10 @@ class Config:
     eval_every_epochs: int = run(1, 'Epochs between evaluations on the validation set.', unit='epochs', minimum=1)
     log_every_steps: int = run(100, 'Steps between progress lines inside an epoch (0: once per epoch).',
                                unit='steps', minimum=0)
+    profile_steps: Optional[Tuple[int, int]] = run(
+        None, "TensorBoard's profile of training steps START,END (e.g. 100,110; the run's steps, counted from 1, "
+              'also after a resume) in MODEL_DIR/logs, by the chief: `tensorboard --logdir MODEL_DIR/logs`, Profile '
+              'tab (pip install tensorboard-plugin-profile).', parse=parse_step_range)
     seed: Optional[int] = run(None, 'Seed of initialization and of the data order (None: random initialization; '
                                     'the data order then uses seed 0, so a resumed run continues it).')
     termination_grace_seconds: float = run(25.0, 'After SIGTERM, training saves at the end of the current step and '

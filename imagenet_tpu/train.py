@@ -338,6 +338,9 @@ def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strat
         if config.bn_inference_statistics == 'reestimate':
             callbacks.append(callbacks_lib.ReestimateBatchNorm(classifier.network, train_data,
                                                                config.bn_reestimate_batches, strategy))
+    if config.model_dir and checkpointing.is_chief(strategy) and config.profile_steps:
+        callbacks.append(callbacks_lib.ProfileSteps(*config.profile_steps, os.path.join(config.model_dir, 'logs'),
+                                                    print_fn))
     if config.model_dir and checkpointing.is_chief(strategy):
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, 'logs'), update_freq='epoch',
                                                      profile_batch=0))

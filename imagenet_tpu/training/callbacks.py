@@ -179,6 +179,40 @@ class InputWatchdog(keras.callbacks.Callback):
     on_test_batch_begin = on_test_batch_end = _beat
 
 
+class ProfileSteps(keras.callbacks.Callback):
+    """TensorFlow's profiler over training steps ``start``..``end`` (the optimizer's step counter, so a resumed run
+    counts from where it resumed: step 1 is the run's first), written to ``logdir`` for TensorBoard's Profile tab.
+    With steps_per_execution > 1 the profile covers the executions that hold those steps."""
+
+    def __init__(self, start: int, end: int, logdir: str, print_fn=print):
+        super().__init__()
+        self.start, self.end, self.logdir, self.print_fn = start, end, logdir, print_fn
+        self._running = False
+
+    def _step(self) -> int:
+        return int(self.model.optimizer.iterations.numpy())
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self._step() + 1           # the step this call runs first
+        if not self._running and self.start <= step <= self.end:
+            tf.profiler.experimental.start(self.logdir)
+            self._running = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._running and self._step() >= self.end:
+            self._stop()
+
+    def _stop(self):
+        tf.profiler.experimental.stop()
+        self._running = False
+        self.print_fn(f'profile of steps {self.start}-{self.end} written to {self.logdir} (tensorboard --logdir '
+                      f'{self.logdir}, Profile tab)')
+
+    def on_train_end(self, logs=None):
+        if self._running:
+            self._stop()
+
+
 class ReportSkips(keras.callbacks.Callback):
     """At each epoch end, adds the input pipelines' skip counts to the logs (TensorBoard records them) and
     prints a line when any record was skipped."""

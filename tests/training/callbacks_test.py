@@ -1,11 +1,18 @@
-"""Callbacks: progress lines (significant figures, the epoch as the data seen)."""
+"""Callbacks: progress lines (significant figures, the epoch as the data seen), the profile of chosen steps."""
 
+import glob
+import os
 from unittest import mock
 
 from absl.testing import parameterized
 import tensorflow as tf
 
+import helpers
+from imagenet_tpu import config as config_lib
+from imagenet_tpu import errors, train
 from imagenet_tpu.training import callbacks
+
+helpers.use_eight_cpus()
 
 
 class SignificantFiguresTest(parameterized.TestCase):
@@ -28,6 +35,27 @@ class ProgressTest(tf.test.TestCase):
         progress.set_model(mock.Mock(optimizer=mock.Mock(iterations=tf.Variable(1738, dtype=tf.int64))))
         self.assertStartsWith(progress._line(19, {'loss': 1.0, 'top_1': 0.5}, 1000.0),
                               'epoch 88.9 step 1738/1738 loss 1.0000 top-1 50.00% 1,000 images/s')
+
+
+class ProfileStepsTest(tf.test.TestCase):
+
+    def test_a_run_writes_the_profile_of_the_steps_asked_for_and_only_on_the_chief(self):
+        root = helpers.class_folder(ProfileStepsTest)
+        lines = []
+        config = helpers.tiny_config(data_dir=os.path.join(root, 'data'), num_classes=4, model_dir=os.path.join(
+            root, 'run'), train_epochs=2, eval_every_epochs=100, profile_steps=(2, 4), strategy='default',
+                                     input_timeout_minutes=0)
+        train.train_and_evaluate(config, print_fn=lines.append)
+        profiles = glob.glob(os.path.join(config.model_dir, 'logs', 'plugins', 'profile', '*', '*.xplane.pb'))
+        self.assertLen(profiles, 1)
+        self.assertGreater(os.path.getsize(profiles[0]), 1000)
+        self.assertIn(f'profile of steps 2-4 written to {config.model_dir}/logs', '\n'.join(lines))
+
+    def test_the_setting_is_two_steps_in_order(self):
+        self.assertEqual(config_lib.parse_step_range('100,110'), (100, 110))
+        for text in ('100', '5,2', '0,3', 'a,b'):
+            with self.assertRaisesRegex(errors.ConfigError, '--profile_steps'):
+                config_lib.parse_step_range(text)
 
 
 if __name__ == '__main__':
