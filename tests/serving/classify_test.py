@@ -3,6 +3,7 @@ out (text or JSON lines), equal to the SavedModel's own outputs; unreadable and 
 line each, never a traceback. Devices, FIFOs and oversized files are skipped without being read, images whose
 header claims too many pixels without being decoded, and a SavedModel that cannot be loaded is one error line."""
 
+import functools
 import io
 import json
 import os
@@ -72,17 +73,25 @@ def gif(screen, frames, extension: bool = True) -> bytes:
     return data + b'\x3b'
 
 
+@functools.lru_cache(maxsize=None)
+def exported_model() -> str:
+    """A SavedModel of a small network (batch norm, 4 classes, 32 px, seed 2), exported once per process for the
+    classes below (none of them changes it)."""
+    root = tempfile.mkdtemp(prefix='classify-model-', dir=tf.compat.v1.test.get_temp_dir())
+    config = helpers.tiny_config(norm='batch_norm', num_classes=4, image_size=32)
+    keras.utils.set_random_seed(2)
+    path = os.path.join(root, 'saved_model')
+    export.export_saved_model(train.build_network(config), path, NAMES, **train.export_settings(config))
+    return path
+
+
 class ClassifyTest(tf.test.TestCase):
 
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
         cls.root = tempfile.mkdtemp(prefix='classify-', dir=tf.compat.v1.test.get_temp_dir())
-        config = helpers.tiny_config(norm='batch_norm', num_classes=4, image_size=32)
-        keras.utils.set_random_seed(2)
-        cls.saved_model = os.path.join(cls.root, 'saved_model')
-        export.export_saved_model(train.build_network(config), cls.saved_model, NAMES,
-                                  **train.export_settings(config))
+        cls.saved_model = exported_model()
         cls.photos = os.path.join(cls.root, 'photos')
         os.makedirs(os.path.join(cls.photos, 'more'))
         cls.images = {}
@@ -154,11 +163,7 @@ class UntrustedInputTest(tf.test.TestCase):
     def setUpClass(cls):
         super().setUpClass()
         cls.root = tempfile.mkdtemp(prefix='untrusted-', dir=tf.compat.v1.test.get_temp_dir())
-        config = helpers.tiny_config(norm='batch_norm', num_classes=4, image_size=32)
-        keras.utils.set_random_seed(3)
-        cls.saved_model = os.path.join(cls.root, 'saved_model')
-        export.export_saved_model(train.build_network(config), cls.saved_model, NAMES,
-                                  **train.export_settings(config))
+        cls.saved_model = exported_model()
         cls.good = os.path.join(cls.root, 'good.jpg')
         cls.write(cls.good, tf.io.encode_jpeg(helpers.photo_like(36, 44, seed=1)).numpy())
 
