@@ -13,7 +13,7 @@ import json
 import os
 import re
 import typing
-from typing import List, NamedTuple, Optional
+from typing import List, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -27,30 +27,6 @@ from imagenet_tpu.errors import CheckpointError
 from imagenet_tpu.model import batch_norm
 from imagenet_tpu.training import callbacks
 from imagenet_tpu.training import checkpointing
-
-MODEL_FILE = 'model.json'      # the model-defining settings checkpointing.check_model_settings guards
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def read_json_object(path: str, what: str) -> dict:
-    """The JSON object in ``path`` (``what`` it holds, for the message); CheckpointError naming the file when it
-    cannot be read, is not UTF-8 JSON, or holds another kind of value."""
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            value = json.loads(f.read())
-    except UnicodeDecodeError:
-        raise CheckpointError(f'{path} is damaged: not UTF-8 text') from None
-    except ValueError as error:     # json.JSONDecodeError: cut short, or not JSON at all
-        raise CheckpointError(f'{path} is damaged: not valid JSON ({_first_line(error)})') from None
-    except (tf.errors.OpError, OSError) as error:
-        raise CheckpointError(f'cannot read {path} ({type(error).__name__}: {_first_line(error)})') from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f'{path} is damaged: a JSON {type(value).__name__}, not an object of {what}')
-    return value
 
 
 def _check_setting_types(path: str, values: dict) -> None:
@@ -84,7 +60,7 @@ def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
     if not tf.io.gfile.exists(path):
         raise CheckpointError(f'--model_dir {model_dir} has no {checkpointing.CONFIG_FILE}: not a run of this '
                               'package, or one from before it wrote one (pass the run\'s flags, e.g. its --flagfile)')
-    values = read_json_object(path, 'settings')
+    values = checkpointing.read_json_object(path, 'settings')
     _check_setting_types(path, values)
     text = json.dumps(values)
     try:
@@ -93,7 +69,8 @@ def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
         try:
             Config.from_json(text)
         except (TypeError, ValueError) as saved_error:
-            raise CheckpointError(f'{path} holds settings that do not load: {_first_line(saved_error)}') from None
+            raise CheckpointError(f'{path} holds settings that do not load: '
+                                  f'{checkpointing.first_line(saved_error)}') from None
         raise error     # the file's settings load alone: the overrides are what does not work
 
 
@@ -104,7 +81,7 @@ def select_checkpoints(model_dir: str, which: str) -> List[str]:
         paths = checkpointing.checkpoint_paths(directory)
     except (ValueError, tf.errors.OpError, OSError) as error:   # a damaged state file ('checkpoint'), unreadable
         raise CheckpointError(f'cannot list the checkpoints in {directory} ({type(error).__name__}: '
-                              f'{_first_line(error)})') from None
+                              f'{checkpointing.first_line(error)})') from None
     if not paths:
         raise CheckpointError(f'no checkpoint in {directory}')
     if which == 'latest':
@@ -123,11 +100,6 @@ def checkpoint_step(path: str) -> int:
     return int(found.group(1)) if found else -1
 
 
-class RestoreOnly(NamedTuple):
-    """What checkpointing.restore needs of a checkpoint manager: its checkpoint."""
-    checkpoint: tf.train.Checkpoint
-
-
 class Evaluator:
     """A run's network under its strategy, restoring checkpoints and evaluating each on the validation set."""
 
@@ -138,16 +110,14 @@ class Evaluator:
         with self.strategy.scope():
             self.classifier = train.build_classifier(config)
         # Checkpoints are restored by path (select_checkpoints), with no tf.train.CheckpointManager: making one
-        # parses the run's state file, checkpoints/checkpoint, and raises on a damaged one. The objects are those
-        # checkpointing.checkpoint_manager saves.
-        self.manager = RestoreOnly(tf.train.Checkpoint(network=self.classifier.network,
-                                                       optimizer=self.classifier.optimizer))
+        # parses the run's state file, checkpoints/checkpoint, and raises on a damaged one.
+        self.checkpoint = checkpointing.run_checkpoint(self.classifier)
         self.names, self.ids = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
         self._step_fn = None
 
     def restore(self, path: str) -> None:
         try:
-            checkpointing.restore(self.manager, path)
+            checkpointing.restore_checkpoint(self.checkpoint, path)
         except checkpointing.READ_ERRORS as error:
             raise CheckpointError(f'cannot read {path} ({type(error).__name__})') from None
 
@@ -241,9 +211,6 @@ def evaluate_run(config: Config, which: str = 'latest', strategy: Optional[tf.di
                  print_fn=print) -> List[dict]:
     """Evaluates the checkpoints ``which`` names of config.model_dir; writes and returns their results."""
     paths = select_checkpoints(config.model_dir, which)
-    model_record = os.path.join(config.model_dir, MODEL_FILE)
-    if tf.io.gfile.exists(model_record):
-        read_json_object(model_record, 'model settings')    # damaged: one line here, not a traceback below
     checkpointing.check_model_settings(config, config.model_dir)
     evaluator = Evaluator(config, strategy)
     results = []

@@ -102,11 +102,16 @@ class WorkerScratchCheckpoints(tf.train.CheckpointManager):
         return path
 
 
+def run_checkpoint(classifier: keras.Model) -> tf.train.Checkpoint:
+    """What a run's checkpoint holds: the network and the optimizer (slots and step)."""
+    return tf.train.Checkpoint(network=classifier.network, optimizer=classifier.optimizer)
+
+
 def checkpoint_manager(classifier: keras.Model, model_dir: str,
                        strategy: Optional[tf.distribute.Strategy] = None) -> tf.train.CheckpointManager:
     """Checkpoints of network and optimizer in checkpoint_directory(model_dir), named ckpt-STEP; the last 3
     are kept (the non-chief workers keep none: WorkerScratchCheckpoints)."""
-    checkpoint = tf.train.Checkpoint(network=classifier.network, optimizer=classifier.optimizer)
+    checkpoint = run_checkpoint(classifier)
     strategy = strategy or tf.distribute.get_strategy()
     if not is_chief(strategy):
         remove_tree(checkpoint_directory(model_dir, strategy))   # a previous run's scratch, or a link planted there
@@ -283,6 +288,29 @@ MODEL_SETTINGS = ('depth', 'num_classes', 'image_size', 'norm', 'space_to_depth'
 MODEL_FILE = 'model.json'
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type when it has none)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in ``path`` (``what`` it holds, for the message); CheckpointError naming the file when it
+    cannot be read, is not UTF-8 JSON, or holds another kind of value."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            value = json.loads(f.read())
+    except UnicodeDecodeError:
+        raise CheckpointError(f'{path} is damaged: not UTF-8 text') from None
+    except ValueError as error:     # json.JSONDecodeError: cut short, or not JSON at all
+        raise CheckpointError(f'{path} is damaged: not valid JSON ({first_line(error)})') from None
+    except (tf.errors.OpError, OSError) as error:
+        raise CheckpointError(f'cannot read {path} ({type(error).__name__}: {first_line(error)})') from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f'{path} is damaged: a JSON {type(value).__name__}, not an object of {what}')
+    return value
+
+
 def model_settings(config: Config) -> dict:
     return {name: getattr(config, name) for name in MODEL_SETTINGS}
 
@@ -294,15 +322,7 @@ def check_model_settings(config: Config, model_dir: str) -> None:
     path = os.path.join(model_dir, MODEL_FILE)
     if not checkpoint_paths(os.path.join(model_dir, 'checkpoints')) or not tf.io.gfile.exists(path):
         return
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            saved = json.load(f)
-        if not isinstance(saved, dict):
-            raise ValueError('not a JSON object')
-    except (ValueError, UnicodeDecodeError, tf.errors.OpError) as error:
-        raise CheckpointError(f'{path} is damaged ({type(error).__name__}); it records which model the checkpoints '
-                              f'beside it are of: restore it, or write it anew as {json.dumps(model_settings(config))}'
-                              ) from None
+    saved = read_json_object(path, 'model settings')
     differences = [f'{name}={saved.get(name)!r} there, {value!r} now' for name, value in model_settings(config).items()
                    if saved.get(name) != value]
     if differences:
@@ -397,10 +417,15 @@ def remove_temporary(directory: str) -> List[str]:
 
 
 def restore(manager: tf.train.CheckpointManager, path: str) -> None:
-    """Restores ``path`` into the manager's checkpoint; CheckpointError naming the first mismatch when its
-    variables do not fit the model. Files that cannot be read raise one of READ_ERRORS."""
+    """Restores ``path`` into the manager's checkpoint (restore_checkpoint)."""
+    restore_checkpoint(manager.checkpoint, path)
+
+
+def restore_checkpoint(checkpoint: tf.train.Checkpoint, path: str) -> None:
+    """Restores ``path`` into ``checkpoint``; CheckpointError naming the first mismatch when its variables do not
+    fit the model. Files that cannot be read raise one of READ_ERRORS."""
     try:
-        manager.checkpoint.restore(path).assert_existing_objects_matched()
+        checkpoint.restore(path).assert_existing_objects_matched()
     except (AssertionError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0]
         raise CheckpointError(f'{path} does not fit this model: {first_line}') from None

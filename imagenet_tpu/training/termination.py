@@ -152,9 +152,3 @@ def during_training(grace_seconds: float, what: str = 'training'):
         _state['watching'] -= 1
         set_grace(previous_grace, previous_what)
 
-
-def reset_for_tests() -> None:
-    """Forgets a SIGTERM noted in this process (tests that send several)."""
-    _requested.clear()
-    with _lock:
-        _state['deadline'] = None
