@@ -4,6 +4,7 @@ inside the installed package; training by recipe with overrides, then evaluation
 result, all through the installed copy."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,13 @@ class InstalledWheelTest(tf.test.TestCase):
         root = tempfile.mkdtemp(dir=self.get_temp_dir())
         wheels, target, elsewhere = (os.path.join(root, name) for name in ('wheels', 'installed', 'elsewhere'))
         os.makedirs(elsewhere)
+        # Built from a copy of the sources: pip builds in the tree it is given, and a build in the checkout
+        # rewrites its build/ folder, which an editable install of the checkout may be reading from.
+        source = os.path.join(root, 'source')
+        shutil.copytree(helpers.REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+            '.venv*', '.git', 'build', 'data', 'runs', '*.egg-info', '__pycache__'))
         build = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--quiet', '--no-deps',
-                                helpers.REPO, '-w', wheels], capture_output=True, text=True, timeout=300)
+                                source, '-w', wheels], capture_output=True, text=True, timeout=300)
         self.assertEqual(build.returncode, 0, build.stderr[-3000:])
         self.assertNotIn('License classifiers are deprecated', build.stderr)
         wheel = os.path.join(wheels, next(name for name in os.listdir(wheels) if name.endswith('.whl')))
