@@ -144,12 +144,15 @@ def parse_floats(items) -> Tuple[float, ...]:
 @dataclasses.dataclass(frozen=True)
 class Config:
     # Data.
-    data_dir: Optional[str] = data(None, 'Directory of train-*-of-* and validation-*-of-* TFRecord shards.')
+    data_dir: Optional[str] = data(None, 'Directory of train-*-of-* and validation-*-of-* TFRecord shards, or a '
+                                         "tensorflow_datasets folder (its dataset_info.json and tfrecord shards, "
+                                         'such as imagenet2012/5.1.0).')
     synthetic_data: bool = data(False, 'Train on one fixed random batch (no input cost, no evaluation): measures '
                                        'the model alone.')
     num_classes: int = data(1000, 'Classes the model predicts.', minimum=1)
-    label_offset: int = data(1, 'On-disk label of model class 0. ImageNet shards store 1..1000: 1 with '
-                                '--num_classes=1000, or 0 with --num_classes=1001 (unused background class 0).')
+    label_offset: int = data(1, 'On-disk label of model class 0. ImageNet shards store 1..1000 (and '
+                                "tensorflow_datasets' 0..999 are read as 1..1000): 1 with --num_classes=1000, or 0 "
+                                'with --num_classes=1001 (unused background class 0).')
     num_train_images: int = data(1281167, 'Images in one training epoch (ImageNet: 1,281,167).', unit='images',
                                  minimum=1)
     num_eval_images: int = data(50000, 'Validation images (ImageNet: 50,000); every one is evaluated.',
@@ -283,8 +286,14 @@ class Config:
                                                     'about this size (a ResNet-50 has ~160 gradient tensors).',
                                               unit='MiB')
     strategy: str = distribution('cpu', "'cpu' (N logical CPU devices), 'mirrored' (local GPUs), 'multi_worker' "
-                                        "(TF_CONFIG), 'tpu' or 'default' (no distribution).",
-                                 choices=('cpu', 'mirrored', 'multi_worker', 'tpu', 'default'))
+                                        "(TF_CONFIG, or Slurm's tasks: --cluster), 'tpu' or 'default' (no "
+                                        'distribution).', choices=('cpu', 'mirrored', 'multi_worker', 'tpu', 'default'))
+    cluster: str = distribution('auto', "Where --strategy=multi_worker finds its workers: 'tf_config' (the TF_CONFIG "
+                                        "variable), 'slurm' (every task of the srun job step, from Slurm's variables) "
+                                        "or 'auto' (TF_CONFIG when set, else Slurm's under srun).",
+                                choices=('auto', 'tf_config', 'slurm'))
+    cluster_port: int = distribution(8888, 'With a Slurm cluster, the port of the first task on each node (the '
+                                           'next tasks there take the ports after it).', minimum=1)
     num_cpu_devices: int = distribution(8, 'Logical CPU devices (replicas) for --strategy=cpu.', minimum=1)
     cpu_devices_per_worker: int = distribution(
         1, "Logical CPU devices (replicas) of each worker of --strategy=multi_worker on machines without GPUs: "

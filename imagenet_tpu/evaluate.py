@@ -132,9 +132,9 @@ class Evaluator:
             return [tf.concat(strategy.experimental_local_results(value), axis=0) for value in outputs]
         return step
 
-    def evaluate(self, path: str) -> dict:
-        """Restores ``path`` and evaluates it: top_1, top_5, loss (with the run's label smoothing), images, and
-        per_class (images and top-1 of each class)."""
+    def prepare(self, path: str) -> None:
+        """Restores ``path`` with the batch-norm statistics the run evaluates with (its moving averages, the last
+        batch's, or re-estimated from training batches at the checkpoint's step)."""
         config = self.config
         self.restore(path)
         network = self.classifier.network
@@ -144,6 +144,12 @@ class Evaluator:
                 train_data = train.build_train_dataset(config, self.strategy, checkpoint_step(path))
                 batch_norm.reestimate_statistics(network, iter(train_data), config.bn_reestimate_batches,
                                                  self.strategy)
+
+    def evaluate(self, path: str) -> dict:
+        """Restores ``path`` and evaluates it: top_1, top_5, loss (with the run's label smoothing), images, and
+        per_class (images and top-1 of each class)."""
+        config = self.config
+        self.prepare(path)
         self._step_fn = self._step_fn or self._logits_step()
         eval_data = train.build_eval_dataset(config, self.strategy)
         steps = config.eval_steps_for(strategy_lib.num_input_pipelines(self.strategy))

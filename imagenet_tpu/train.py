@@ -47,7 +47,8 @@ def build_strategy(config: Config) -> tf.distribute.Strategy:
     """The configured strategy (strategy.make_strategy)."""
     return strategy_lib.make_strategy(config.strategy, num_cpu_devices=config.num_cpu_devices, tpu=config.tpu,
                                       cpu_devices_per_worker=config.cpu_devices_per_worker,
-                                      tpu_hosts=config.topology_hosts)
+                                      tpu_hosts=config.topology_hosts, cluster_source=config.cluster,
+                                      cluster_port=config.cluster_port)
 
 
 def build_network(config: Config, num_replicas: int = 1, replica_order=None) -> keras.Model:

@@ -23,5 +23,9 @@ def classify() -> None:
     _run('classify')
 
 
+def export() -> None:
+    _run('export')
+
+
 def plan() -> None:
     _run('plan')

@@ -37,17 +37,25 @@ def main(argv):
     common.quiet_logs()
     if len(argv) > 1:
         common.fail(f'unexpected arguments: {" ".join(argv[1:])}')
-    model_dir = flags.FLAGS.model_dir
     try:
-        if not model_dir:
-            raise ConfigError('--model_dir is not set (the folder of a training run)')
-        if tf.io.gfile.exists(os.path.join(model_dir, checkpointing.CONFIG_FILE)):
-            config = evaluate.run_config(model_dir, {field.name: value for field, value in zip(*_given_settings())})
-        else:   # a run from before config.json: its flags (e.g. its --flagfile) describe it
-            config = common.config_from_flags()
-        evaluate.evaluate_run(config, _CHECKPOINT.value, print_fn=lambda line: print(line, flush=True))
+        evaluate.evaluate_run(run_settings(), checkpoint_flag(), print_fn=lambda line: print(line, flush=True))
     except RunError as error:
         common.fail(str(error), common.exit_status(error))
+
+
+def checkpoint_flag() -> str:
+    return _CHECKPOINT.value
+
+
+def run_settings() -> Config:
+    """The Config of --model_dir's run (its config.json) with the training flags given on the command line or in
+    a flagfile applied; for a run without config.json, the flags alone. ConfigError without --model_dir."""
+    model_dir = flags.FLAGS.model_dir
+    if not model_dir:
+        raise ConfigError('--model_dir is not set (the folder of a training run)')
+    if tf.io.gfile.exists(os.path.join(model_dir, checkpointing.CONFIG_FILE)):
+        return evaluate.run_config(model_dir, {field.name: value for field, value in zip(*_given_settings())})
+    return common.config_from_flags()   # a run from before config.json: its flags (e.g. its --flagfile)
 
 
 def _given_settings():

@@ -3,7 +3,9 @@
 ``labels.txt`` has one line per class, tab-separated: the on-disk label (the record's image/class/label), the
 synset id (ImageNet's wnid, or any short id) and a human-readable name. The converter writes it (with names from
 ILSVRC's synset_words.txt when given, else the wnid), the demo data writes the digit names. Model class c is the
-on-disk label c + label_offset, as in training; a class the file does not name is called by its id.
+on-disk label c + label_offset, as in training; a class the file does not name is called by its id. In a
+tensorflow_datasets folder without labels.txt, its class-name file (``label.labels.txt``: one name per line, TFDS
+label 0 first) names the classes, each line l being on-disk label l + 1 (tfrecord.py).
 """
 
 import os
@@ -62,15 +64,30 @@ def synset_words(path: str) -> dict:
     return names
 
 
+def _tfds_labels(data_dir: str) -> List[Label]:
+    """The labels of a tensorflow_datasets folder's class-name file, as on-disk labels (TFDS label + 1)."""
+    import tensorflow as tf
+    from imagenet_tpu.data import tfrecord
+    path = tfrecord.layout_of(data_dir).class_names_path(data_dir)
+    if not path or not tf.io.gfile.exists(path):
+        return []
+    with tf.io.gfile.GFile(path) as f:
+        names = [line.strip() for line in f if line.strip()]
+    return [Label(index + 1, name, name) for index, name in enumerate(names)]
+
+
 def class_names(num_classes: int, label_offset: int, data_dir: Optional[str] = None,
                 path: Optional[str] = None) -> Tuple[List[str], List[str]]:
-    """(names, ids) of model classes 0..num_classes-1 from labels.txt (``path``, or the one in ``data_dir``);
+    """(names, ids) of model classes 0..num_classes-1 from labels.txt (``path``, or the one in ``data_dir``, else a
+    tensorflow_datasets folder's class-name file);
     without a file every class is called 'class C'."""
     import tensorflow as tf
     path = path or (path_in(data_dir) if data_dir else None)
     by_label = {}
     if path and tf.io.gfile.exists(path):
         by_label = {label.label: label for label in read(path)}
+    if not by_label and data_dir:
+        by_label = {label.label: label for label in _tfds_labels(data_dir)}
     names, ids = [], []
     for model_class in range(num_classes):
         label = by_label.get(model_class + label_offset)

@@ -170,6 +170,8 @@ def record_parser(config: Config, dtype: tf.DType, base_seed: tf.Tensor) -> Call
     """parse(key, record) -> (image, label) of a training record: the random crop and flip are seeded by
     (base_seed, key), so they depend on the record's key alone, not on when or where it is decoded."""
 
+    layout = tfrecord.layout_of(config.data_dir)
+
     def parse(key, record):
         seed = fold_seed(base_seed, key)
         if config.input_cache == 'images':
@@ -178,7 +180,7 @@ def record_parser(config: Config, dtype: tf.DType, base_seed: tf.Tensor) -> Call
                 image, config.image_size, min_area=config.random_crop_min_area, flip=config.random_flip,
                 dtype=dtype, seed=seed, resize_method=config.resize_method)
         else:
-            example = tfrecord.parse_example(record)
+            example = layout.parse(record)
             image = preprocessing.preprocess_for_train(
                 example['encoded'], example['boxes'] if config.crop_boxes else tf.zeros([0, 4]), config.image_size,
                 min_area=config.random_crop_min_area, flip=config.random_flip, dtype=dtype, seed=seed,
@@ -278,9 +280,10 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
     if config.input_cache == 'records':
         cached = records.cache()
     else:
-        read = SkipCounts.position_counter()
+        read, layout = SkipCounts.position_counter(), tfrecord.layout_of(config.data_dir)
         decoded = record_io.enumerate_records(records, read).map(
-            lambda index, record: (index, *_decode_full(record)), num_parallel_calls=AUTOTUNE, deterministic=True)
+            lambda index, record: (index, *_decode_full(record, layout)), num_parallel_calls=AUTOTUNE,
+            deterministic=True)
         cached = record_io.decode_guarded(decoded, bad if config.bad_records == 'skip' else None, read).cache()
 
     def epoch_records(epoch):
@@ -292,9 +295,9 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
     return tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_records)
 
 
-def _decode_full(record: tf.Tensor):
+def _decode_full(record: tf.Tensor, layout: tfrecord.Layout):
     """(uint8 image, on-disk label) of a record, for the decoded-image cache."""
-    example = tfrecord.parse_example(record)
+    example = layout.parse(record)
     return preprocessing.decode_jpeg(example['encoded']), example['label']
 
 
@@ -340,8 +343,10 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     if num_pipelines > 1:
         records = records.shard(num_pipelines, context.input_pipeline_id)
 
+    layout = tfrecord.layout_of(config.data_dir)
+
     def parse(index, serialized):
-        example = tfrecord.parse_example(serialized)
+        example = layout.parse(serialized)
         image = preprocessing.preprocess_for_eval(example['encoded'], config.image_size, dtype=dtype,
                                                   crop_fraction=config.eval_crop,
                                                   resize_method=config.resize_method)
@@ -359,6 +364,23 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     batches = batches.batch(per_replica_batch(config.eval_batch_size, context), drop_remainder=True)
     batches = batches.take(config.eval_steps_for(num_pipelines) * replicas_per_pipeline)
     return space_to_depth(batches, config).prefetch(AUTOTUNE).with_options(dataset_options(deterministic=True))
+
+
+def calibration_dataset(config: Config, count: int) -> tf.data.Dataset:
+    """``count`` training images (fewer if the shards hold fewer), float32 [image_size, image_size, 3] with the
+    evaluation preprocessing and no augmentation, drawn from every training file in turn, bad records skipped:
+    the representative set an int8 conversion calibrates its activation ranges on."""
+    paths = record_io.list_shards(config.data_dir, tfrecord.TRAIN)
+    layout = tfrecord.layout_of(config.data_dir)
+    records = tf.data.Dataset.from_tensor_slices(paths).interleave(
+        tf.data.TFRecordDataset, cycle_length=len(paths), block_length=1)
+
+    def parse(serialized):
+        return preprocessing.preprocess_for_eval(layout.parse(serialized)['encoded'], config.image_size,
+                                                 dtype=tf.float32, crop_fraction=config.eval_crop,
+                                                 resize_method=config.resize_method)
+
+    return records.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True).ignore_errors().take(count)
 
 
 def synthetic_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,

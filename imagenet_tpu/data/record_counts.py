@@ -13,6 +13,9 @@ reported. For a remote file an entry is used only while the file still has the s
 possible for that size; otherwise the file is counted again and the mismatch is reported. The file a resumed
 stream starts in is always counted again.
 
+In a tensorflow_datasets folder, dataset_info.json's ``shardLengths`` serve as the counts file beside the shards:
+it records no byte sizes, so its counts are checked only against what the file's size allows.
+
 Counting walks the TFRecord framing (an 8-byte length, a 4-byte length CRC, the data and a 4-byte data CRC). On a
 local disk it seeks to each record's length field and reads those 8 bytes only: about 12 MB for ImageNet's 140 GB.
 A remote file (gs://...) is read once from start to end in large blocks instead, without seeking (a seek past
@@ -166,6 +169,14 @@ def _load(path: Optional[str], log: Callable[[str], None]) -> Dict[str, Tuple[in
         return {}
 
 
+def tfds_entries(data_dir: str) -> Dict[str, Tuple[int, Optional[int]]]:
+    """{file name: (records, None)} from a tensorflow_datasets folder's dataset_info.json (empty elsewhere)."""
+    from imagenet_tpu.data import tfrecord   # here: it imports TensorFlow
+    layout = tfrecord.layout_of(data_dir)
+    return {name: (count, None) for split in (layout.shard_lengths or {}) for name, count in
+            layout.shard_names(split).items()}
+
+
 def possible(count: int, size: int) -> bool:
     """Whether a file of ``size`` bytes can hold ``count`` whole records (each at least FRAME_BYTES)."""
     return 0 <= count and count * FRAME_BYTES <= size and (count > 0 or size < 2 * FRAME_BYTES)
@@ -179,25 +190,28 @@ def lookup(paths: List[str], sizes: List[int], data_dir: str, cache_dir: Optiona
     resume; a count of the counts files that differs is reported. A remote file's count comes from data_dir's
     counts file, else from cache_dir's, else it is counted and added to cache_dir's (when given); an entry whose
     size is not the file's is reported and not used, and one impossible for the file's size (negative, zero for a
-    file that holds a record, more records than 16-byte frames fit) is reported and the file counted instead."""
-    beside = _load(path_in(data_dir), log)
+    file that holds a record, more records than 16-byte frames fit) is reported and the file counted instead.
+    A tensorflow_datasets folder's shardLengths stand beside the shards' counts file, without sizes."""
     cache_path = path_in(cache_dir) if cache_dir else None
     cache = _load(cache_path, log)
+    # data_dir's files name its shards; the cache names each file by its full path.
+    sources = ((FILE_NAME, _load(path_in(data_dir), log), os.path.basename),
+               ('dataset_info.json (shardLengths)', tfds_entries(data_dir), os.path.basename),
+               (FILE_NAME, cache, lambda path: path))
     counts, to_count, recorded = [], [], {}
     for index, (path, size) in enumerate(zip(paths, sizes)):
         count = None
-        # data_dir's file names its shards; the cache names each file by its full path.
-        for entries, key in ((beside, os.path.basename(path)), (cache, path)):
-            if key in entries:
-                recorded_count, recorded_size = entries[key]
-                if recorded_size != size:
-                    log(f'warning: {FILE_NAME} gives {path} {recorded_size} bytes but it has {size}: '
+        for source, entries, key in sources:
+            if key(path) in entries:
+                recorded_count, recorded_size = entries[key(path)]
+                if recorded_size is not None and recorded_size != size:
+                    log(f'warning: {source} gives {path} {recorded_size} bytes but it has {size}: '
                         'counting its records again')
                 elif not possible(recorded_count, size):
-                    log(f'warning: {FILE_NAME} gives {path} {recorded_count} records, impossible for its {size} '
+                    log(f'warning: {source} gives {path} {recorded_count} records, impossible for its {size} '
                         'bytes: counting its records again')
                 elif is_local(path):
-                    recorded[index] = recorded_count
+                    recorded[index] = (recorded_count, source)
                 else:
                     count = recorded_count
                 break
@@ -207,9 +221,10 @@ def lookup(paths: List[str], sizes: List[int], data_dir: str, cache_dir: Optiona
     counted = {}
     for index, count in zip(to_count, count_files([paths[index] for index in to_count])):
         counts[index] = count
-        if index in recorded and recorded[index] != count:
-            log(f'warning: {FILE_NAME} gives {paths[index]} {recorded[index]} records but it holds {count}: '
-                f'using {count} (delete or rewrite the wrong {FILE_NAME})')
+        if index in recorded and recorded[index][0] != count:
+            recorded_count, source = recorded[index]
+            log(f'warning: {source} gives {paths[index]} {recorded_count} records but it holds {count}: '
+                f'using {count} (delete or rewrite the wrong {source})')
         if not is_local(paths[index]):
             counted[paths[index]] = (count, sizes[index])
     if counted and cache_path:

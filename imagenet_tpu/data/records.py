@@ -25,10 +25,10 @@ def list_shards(data_dir: Optional[str], split: str) -> list:
         raise ConfigError('--data_dir is not set (or pass --synthetic_data for a run without input)')
     if not tf.io.gfile.isdir(data_dir):
         raise DataError(f'--data_dir {data_dir} does not exist or is not a directory')
-    paths = sorted(tf.io.gfile.glob(tfrecord.file_pattern(data_dir, split)))
+    pattern = tfrecord.file_pattern(data_dir, split)
+    paths = sorted(tf.io.gfile.glob(pattern))
     if not paths:
-        pattern = os.path.basename(tfrecord.file_pattern(data_dir, split))
-        raise DataError(f'no {split} files matching {pattern} in --data_dir {data_dir}')
+        raise DataError(f'no {split} files matching {os.path.basename(pattern)} in --data_dir {data_dir}')
     return paths
 
 
@@ -50,12 +50,13 @@ def check_labels(path: str, num_classes: int, label_offset: int, fatal_errors: b
     """Reads the first ``records`` labels of a shard and fails at start if any is outside the model's range
     [label_offset, label_offset + num_classes) (a wrong --num_classes or --label_offset, rather than a bad
     record). Records that cannot be read are left to the pipeline, which skips and counts them, or with
-    ``fatal_errors`` (bad_records='fatal') are an error here already."""
+    ``fatal_errors`` (bad_records='fatal') are an error here already. The shard's layout is its folder's."""
     low, high = label_offset, label_offset + num_classes
+    layout = tfrecord.layout_of(os.path.dirname(path))
     iterator = iter(tf.data.TFRecordDataset(path).take(records))
     for index in range(records):
         try:
-            label = int(tfrecord.parse_example(next(iterator))['label'])
+            label = int(layout.parse(next(iterator))['label'])
         except StopIteration:
             return
         except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
@@ -68,10 +69,11 @@ def check_labels(path: str, num_classes: int, label_offset: int, fatal_errors: b
         except tf.errors.OpError as error:     # a file that cannot be opened (a dangling link, permissions)
             raise DataError(f'cannot read {path} ({type(error).__name__})') from None
         if not low <= label < high:
+            read_as = f' (tensorflow_datasets label {label - 1}, read as {label})' if layout.tfds else ''
             raise DataError(
-                f'{path}: on-disk label {label} is outside [{low}, {high}) given --num_classes={num_classes}'
-                f' and --label_offset={label_offset} (ImageNet shards store 1..1000: num_classes=1000,'
-                ' label_offset=1)')
+                f'{path}: on-disk label {label}{read_as} is outside [{low}, {high}) given --num_classes={num_classes}'
+                f' and --label_offset={label_offset} (ImageNet shards store 1..1000, and tensorflow_datasets\'s'
+                ' 0..999 are read as 1..1000: num_classes=1000, label_offset=1)')
 
 
 class SkipCounts:

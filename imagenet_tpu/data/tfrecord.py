@@ -6,12 +6,23 @@ model's class count and the on-disk offset are explicit settings (``num_classes`
 ``to_model_label`` is the only function that applies the offset.
 
 Shard files are named ``{split}-{index:05d}-of-{count:05d}`` (``train-00000-of-01024``).
+
+The other layout read in place is tensorflow_datasets' (``imagenet2012`` prepared with ``file_format='tfrecord'``,
+its default): a folder with ``dataset_info.json`` and shards such as ``imagenet2012-train.tfrecord-00000-of-01024``
+whose records hold the encoded image and a 0-based label under the dataset's supervised keys (``image``,
+``label``). ``layout_of`` tells the two apart by ``dataset_info.json``. A TFDS label l is read as on-disk label
+l + 1, the 1-based convention of the shards above (TFDS numbers ImageNet's classes in the same sorted-synset order),
+so ``label_offset`` and every recipe mean the same on either layout.
 """
 
+import functools
+import json
 import os
-from typing import Iterable, NamedTuple, Sequence
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 import tensorflow as tf
+
+from imagenet_tpu.errors import DataError
 
 TRAIN = 'train'
 VALIDATION = 'validation'
@@ -52,8 +63,96 @@ def shard_name(split: str, index: int, count: int) -> str:
     return f'{split}-{index:05d}-of-{count:05d}'
 
 
+TFDS_INFO = 'dataset_info.json'
+TFDS_TEMPLATE = '{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}'   # tensorflow_datasets' default file names
+
+
+class Layout(NamedTuple):
+    """How a data_dir names its shards and what their records hold: tensorflow/tpu's schema (``tfds`` False) or a
+    tensorflow_datasets folder (its name, image and label features, file names and record counts per split)."""
+    tfds: bool = False
+    name: str = ''
+    image_key: str = 'image'
+    label_key: str = 'label'
+    file_format: str = 'tfrecord'
+    templates: Optional[Dict[str, str]] = None          # split -> file name template
+    shard_lengths: Optional[Dict[str, List[int]]] = None  # split -> records of each shard
+
+    def shard_names(self, split: str) -> Dict[str, int]:
+        """{file name: records} of ``split`` as dataset_info.json gives them (empty for tensorflow/tpu's schema)."""
+        if not self.tfds or split not in (self.shard_lengths or {}):
+            return {}
+        lengths = self.shard_lengths[split]
+        return {self._file_name(split, f'{index:05d}-of-{len(lengths):05d}'): count
+                for index, count in enumerate(lengths)}
+
+    def _file_name(self, split: str, shard: str) -> str:
+        template = (self.templates or {}).get(split) or TFDS_TEMPLATE
+        return (template.replace('{DATASET}', self.name).replace('{SPLIT}', split)
+                .replace('{FILEFORMAT}', self.file_format).replace('{SHARD_X_OF_Y}', shard))
+
+    def pattern(self, data_dir: str, split: str) -> str:
+        """The glob of ``split``'s shards in ``data_dir``."""
+        if self.tfds:
+            return os.path.join(data_dir, self._file_name(split, '*-of-*'))
+        return os.path.join(data_dir, f'{split}-*-of-*')
+
+    def parse(self, serialized: tf.Tensor) -> dict:
+        """parse_example for this layout."""
+        if not self.tfds:
+            return parse_example(serialized)
+        features = tf.io.parse_single_example(serialized, {
+            self.image_key: tf.io.FixedLenFeature([], tf.string),
+            self.label_key: tf.io.FixedLenFeature([], tf.int64),
+            'file_name': tf.io.FixedLenFeature([], tf.string, default_value='')})
+        return {'encoded': features[self.image_key],
+                'label': tf.cast(features[self.label_key], tf.int32) + 1,   # 0-based -> tensorflow/tpu's 1-based
+                'boxes': tf.zeros([0, 4]),
+                'filename': features['file_name']}
+
+    def class_names_path(self, data_dir: str) -> Optional[str]:
+        """tensorflow_datasets' class-name file of the label feature (one name per line, label 0 first)."""
+        return os.path.join(data_dir, f'{self.label_key}.labels.txt') if self.tfds else None
+
+
+IMAGENET_LAYOUT = Layout()
+
+
+def layout_of(data_dir: Optional[str]) -> Layout:
+    """The Layout of ``data_dir``: tensorflow_datasets' when it holds dataset_info.json, else tensorflow/tpu's.
+    A dataset_info.json that cannot be used (not JSON, another file format) is a DataError naming it."""
+    if not data_dir:
+        return IMAGENET_LAYOUT
+    return _layout_of(data_dir)
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_of(data_dir: str) -> Layout:
+    path = os.path.join(data_dir, TFDS_INFO)
+    if not tf.io.gfile.exists(path):
+        return IMAGENET_LAYOUT
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            info = json.load(f)
+        splits = {split['name']: split for split in info.get('splits', [])}
+        keys = [item['featureKey'] for item in info.get('supervisedKeys', {}).get('tuple', {}).get('items', [])]
+        layout = Layout(
+            tfds=True, name=str(info['name']), file_format=str(info.get('fileFormat') or 'tfrecord'),
+            image_key=keys[0] if len(keys) == 2 else 'image', label_key=keys[1] if len(keys) == 2 else 'label',
+            templates={name: split.get('filepathTemplate') or TFDS_TEMPLATE for name, split in splits.items()},
+            shard_lengths={name: [int(count) for count in split.get('shardLengths', [])]
+                           for name, split in splits.items()})
+    except (ValueError, KeyError, TypeError, AttributeError, tf.errors.OpError) as error:
+        raise DataError(f'{path} is not a usable tensorflow_datasets dataset_info.json '
+                        f'({type(error).__name__}: {error})') from None
+    if layout.file_format != 'tfrecord':
+        raise DataError(f'{path}: tensorflow_datasets prepared this dataset as {layout.file_format}; only its '
+                        "tfrecord files are read (prepare it with file_format='tfrecord', TFDS's default)")
+    return layout
+
+
 def file_pattern(data_dir: str, split: str) -> str:
-    return os.path.join(data_dir, f'{split}-*-of-*')
+    return layout_of(data_dir).pattern(data_dir, split)
 
 
 def _bytes(values: Iterable[bytes]) -> tf.train.Feature:
@@ -135,4 +234,5 @@ def write_shard(path: str, examples: Iterable[tf.train.Example]) -> int:
 
 def read_labels(path: str) -> list:
     """On-disk labels of every record in one shard, in order (used by tests and checks)."""
-    return [int(parse_example(record)['label']) for record in tf.data.TFRecordDataset(path)]
+    layout = layout_of(os.path.dirname(path))
+    return [int(layout.parse(record)['label']) for record in tf.data.TFRecordDataset(path)]

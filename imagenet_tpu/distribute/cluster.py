@@ -6,9 +6,15 @@ run_data_service.py).
 
 Worker 0 is the chief: it writes checkpoints, TensorBoard logs and results (train.is_chief). Every worker runs
 the same command with its own TF_CONFIG; tools/launch/run_local_workers.py does that on one machine.
+
+Under Slurm (``srun`` or an ``sbatch`` script's ``srun``), every task of the job step is a worker: the cluster
+comes from Slurm's variables through TensorFlow's SlurmClusterResolver (slurm_tf_config), task i at port
+--cluster_port + its index on its node, and each task's GPUs are those Slurm bound to it (--gpus-per-task), or
+else its share of the node's GPUs.
 """
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -38,6 +44,68 @@ def tf_config(workers: Sequence[str], index: int) -> str:
     if not 0 <= index < len(workers):
         raise ValueError(f'worker index {index} is outside the {len(workers)} workers')
     return json.dumps({'cluster': {'worker': list(workers)}, 'task': {'type': 'worker', 'index': index}})
+
+
+CLUSTER_SOURCES = ('auto', 'tf_config', 'slurm')
+SLURM_TASK_VARIABLES = ('SLURM_PROCID', 'SLURM_STEP_NUM_TASKS', 'SLURM_STEP_NODELIST', 'SLURM_STEP_TASKS_PER_NODE')
+
+
+def under_slurm(environ=os.environ) -> bool:
+    """Whether this process is a task of a Slurm job step (srun sets every SLURM_STEP_* variable read here)."""
+    return all(name in environ for name in SLURM_TASK_VARIABLES)
+
+
+def cluster_config(source: str, port: int = 8888, environ=os.environ) -> Optional[str]:
+    """The TF_CONFIG value of this process for --cluster=``source``: 'tf_config' the variable itself, 'slurm' the
+    cluster of the Slurm job step (slurm_tf_config), 'auto' TF_CONFIG when it is set, else Slurm's when under srun.
+    ConfigError when 'slurm' is asked for outside a job step."""
+    if source == 'tf_config' or (source == 'auto' and (environ.get('TF_CONFIG') or not under_slurm(environ))):
+        return environ.get('TF_CONFIG')
+    if not under_slurm(environ):
+        missing = [name for name in SLURM_TASK_VARIABLES if name not in environ]
+        raise ConfigError(f'--cluster=slurm outside a Slurm job step ({", ".join(missing)} not set): start the '
+                          'command with srun')
+    return slurm_tf_config(port)
+
+
+def tasks_per_node(text: str) -> List[int]:
+    """Slurm's SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2 tasks on each of 3 nodes, then 1) as [2, 2, 2, 1]."""
+    counts = []
+    for part in text.split(','):
+        count, _, repeat = part.partition('(x')
+        counts += [int(count)] * (int(repeat.rstrip(')')) if repeat else 1)
+    return counts
+
+
+def slurm_gpus(environ=os.environ):
+    """(GPUs of each node, GPUs of each task, whether TensorFlow's resolver is to set CUDA_VISIBLE_DEVICES), for
+    SlurmClusterResolver, as Slurm assigned the GPUs: with --gpus-per-task Slurm binds each task's GPUs itself
+    (kept as they are); with GPUs for the node only (SLURM_GPUS_ON_NODE) the resolver gives each task its share;
+    on nodes without GPUs each task counts one nominal device (the resolver divides by GPUs per task) and
+    nothing is set."""
+    most = max(tasks_per_node(environ['SLURM_STEP_TASKS_PER_NODE']))
+    per_task = environ.get('SLURM_GPUS_PER_TASK', '').rsplit(':', 1)[-1]   # '2' or 'a100:2'
+    on_node = environ.get('SLURM_GPUS_ON_NODE', '').strip()
+    if per_task.isdigit() and int(per_task) > 0:
+        return int(per_task) * most, int(per_task), False
+    if on_node.isdigit() and int(on_node) >= most:
+        return int(on_node), int(on_node) // most, True
+    return most, 1, False
+
+
+def slurm_tf_config(port: int = 8888) -> str:
+    """The TF_CONFIG value of this Slurm task (from os.environ): every task of the step a worker, by TensorFlow's
+    SlurmClusterResolver (SLURM_STEP_NODELIST expanded, tasks on each node at ``port`` + their index there, this
+    task SLURM_PROCID). It may set CUDA_VISIBLE_DEVICES (slurm_gpus)."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel  (TensorFlow only for a Slurm cluster)
+    try:
+        gpus_per_node, gpus_per_task, set_gpus = slurm_gpus()
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+            port_base=port, gpus_per_node=gpus_per_node, gpus_per_task=gpus_per_task, auto_set_gpu=set_gpus)
+        workers = resolver.cluster_spec().as_dict()['worker']
+    except (RuntimeError, ValueError, KeyError, OSError) as error:
+        raise ConfigError(f'cannot make the cluster from Slurm\'s variables: {error}') from None
+    return tf_config(workers, resolver.task_id)
 
 
 # The jobs TensorFlow accepts in a cluster (tensorflow/python/distribute/multi_worker_util.py,

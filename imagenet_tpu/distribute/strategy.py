@@ -5,6 +5,7 @@ initializes its devices, so ``use_logical_cpus`` is called first thing in a proc
 """
 
 import functools
+import json
 import os
 
 import tensorflow as tf
@@ -189,13 +190,14 @@ def multi_worker_strategy(cpu_devices_per_worker: int = 1) -> tf.distribute.Mult
         extended._initialize_local_devices = original  # pylint: disable=protected-access
 
 
-def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
-                  cpu_devices_per_worker: int = 1, tpu_hosts: int = 0) -> tf.distribute.Strategy:
+def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '', cpu_devices_per_worker: int = 1,
+                  tpu_hosts: int = 0, cluster_source: str = 'auto', cluster_port: int = 8888) -> tf.distribute.Strategy:
     """The strategy named by ``kind``.
 
     'cpu': MirroredStrategy over ``num_cpu_devices`` logical CPU devices (development and tests);
     'mirrored': MirroredStrategy over the local GPUs; 'multi_worker': MultiWorkerMirroredStrategy from TF_CONFIG
-    (multi_worker_strategy; a TF_CONFIG that cannot describe this process's cluster is a ConfigError naming
+    or, by ``cluster_source``, the tasks of a Slurm job step (cluster.cluster_config, which then sets TF_CONFIG;
+    multi_worker_strategy; a TF_CONFIG that cannot describe this process's cluster is a ConfigError naming
     what is wrong, cluster.check_tf_config); 'tpu': TPUStrategy for ``tpu`` (a name or 'local'), replicas
     placed as tpu_mesh says, refused when it shows fewer hosts than ``tpu_hosts``; 'default': no distribution.
     """
@@ -206,6 +208,12 @@ def make_strategy(kind: str, *, num_cpu_devices: int = 8, tpu: str = '',
             raise ConfigError("strategy 'mirrored' needs GPUs and none is visible; use --strategy=cpu")
         return mirrored_strategy()
     if kind == 'multi_worker':
+        text = cluster.cluster_config(cluster_source, cluster_port)
+        if text and text != os.environ.get('TF_CONFIG'):     # from Slurm
+            os.environ['TF_CONFIG'] = text     # what TensorFlow's strategy reads
+            value = json.loads(text)
+            print(f'Slurm task {value["task"]["index"]} of {len(value["cluster"]["worker"])}: workers '
+                  f'{", ".join(value["cluster"]["worker"])}', flush=True)
         cluster.check_tf_config(os.environ.get('TF_CONFIG'))
         cluster.wait_for_peers(os.environ.get('TF_CONFIG'), functools.partial(print, flush=True))
         try:
