@@ -181,7 +181,8 @@ def record_parser(config: Config, dtype: tf.DType, base_seed: tf.Tensor) -> Call
                 dtype=dtype, seed=seed, resize_method=config.resize_method)
         else:
             example = layout.parse(record)
-            image = preprocessing.preprocess_for_train(
+            preprocess = preprocessing.preprocess_any_for_train if layout.tfds else preprocessing.preprocess_for_train
+            image = preprocess(
                 example['encoded'], example['boxes'] if config.crop_boxes else tf.zeros([0, 4]), config.image_size,
                 min_area=config.random_crop_min_area, flip=config.random_flip, dtype=dtype, seed=seed,
                 resize_method=config.resize_method)
@@ -298,7 +299,8 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
 def _decode_full(record: tf.Tensor, layout: tfrecord.Layout):
     """(uint8 image, on-disk label) of a record, for the decoded-image cache."""
     example = layout.parse(record)
-    return preprocessing.decode_jpeg(example['encoded']), example['label']
+    decode = preprocessing.decode_any if layout.tfds else preprocessing.decode_jpeg
+    return decode(example['encoded']), example['label']
 
 
 def image_dtype(config: Config) -> tf.DType:
@@ -347,7 +349,7 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
 
     def parse(index, serialized):
         example = layout.parse(serialized)
-        image = preprocessing.preprocess_for_eval(example['encoded'], config.image_size, dtype=dtype,
+        image = eval_preprocessing(layout)(example['encoded'], config.image_size, dtype=dtype,
                                                   crop_fraction=config.eval_crop,
                                                   resize_method=config.resize_method)
         label = tfrecord.to_model_label(example['label'], config.label_offset, config.num_classes)
@@ -366,6 +368,12 @@ def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] =
     return space_to_depth(batches, config).prefetch(AUTOTUNE).with_options(dataset_options(deterministic=True))
 
 
+def eval_preprocessing(layout: tfrecord.Layout) -> Callable:
+    """The evaluation preprocessing of a layout's images: JPEG only in our shards (the converter re-encodes the
+    rest), any of JPEG, PNG, GIF, BMP in tensorflow_datasets' (which stores images given as arrays as PNG)."""
+    return preprocessing.preprocess_any_for_eval if layout.tfds else preprocessing.preprocess_for_eval
+
+
 def calibration_dataset(config: Config, count: int) -> tf.data.Dataset:
     """``count`` training images (fewer if the shards hold fewer), float32 [image_size, image_size, 3] with the
     evaluation preprocessing and no augmentation, drawn from every training file in turn, bad records skipped:
@@ -376,7 +384,7 @@ def calibration_dataset(config: Config, count: int) -> tf.data.Dataset:
         tf.data.TFRecordDataset, cycle_length=len(paths), block_length=1)
 
     def parse(serialized):
-        return preprocessing.preprocess_for_eval(layout.parse(serialized)['encoded'], config.image_size,
+        return eval_preprocessing(layout)(layout.parse(serialized)['encoded'], config.image_size,
                                                  dtype=tf.float32, crop_fraction=config.eval_crop,
                                                  resize_method=config.resize_method)
 

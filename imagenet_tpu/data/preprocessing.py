@@ -125,6 +125,30 @@ def preprocess_decoded_for_train(image: tf.Tensor, image_size: int, *, min_area:
     return _flip_and_resize(image, flip, flip_seed, image_size, dtype, resize_method)
 
 
+def decode_any(encoded: tf.Tensor) -> tf.Tensor:
+    """A JPEG, PNG, GIF (first frame) or BMP as uint8 [height, width, 3], if its header passes check_pixels (JPEG,
+    PNG, WebP headers; header_shape)."""
+    def other_format():
+        with tf.control_dependencies([check_pixels(header_shape(encoded))]):
+            return tf.io.decode_image(encoded, channels=3, expand_animations=False)
+
+    return tf.cond(tf.io.is_jpeg(encoded), lambda: decode_jpeg(encoded), other_format)
+
+
+def preprocess_any_for_train(encoded: tf.Tensor, boxes: tf.Tensor, image_size: int, *, min_area: float = 0.08,
+                             flip: bool = True, dtype: tf.DType = tf.float32, seed: tf.Tensor = None,
+                             resize_method: str = 'bilinear') -> tf.Tensor:
+    """preprocess_for_train for an encoded JPEG, PNG, GIF or BMP (tensorflow_datasets stores images given as
+    arrays as PNG): JPEGs take exactly its path, other formats are decoded whole and cropped with the same
+    seeds (without boxes)."""
+    return tf.cond(tf.io.is_jpeg(encoded),
+                   lambda: preprocess_for_train(encoded, boxes, image_size, min_area=min_area, flip=flip, dtype=dtype,
+                                                seed=seed, resize_method=resize_method),
+                   lambda: preprocess_decoded_for_train(decode_any(encoded), image_size, min_area=min_area,
+                                                        flip=flip, dtype=dtype, seed=seed,
+                                                        resize_method=resize_method))
+
+
 def _crop_and_flip_seeds(seed):
     """Two independent seeds from ``seed`` (a fresh one when None): one for the crop, one for the flip."""
     seed = random_seed() if seed is None else seed
@@ -194,8 +218,7 @@ def preprocess_any_for_eval(encoded: tf.Tensor, image_size: int, *, crop_fractio
     fused with the crop), other formats are decoded whole, then cropped and resized the same way. A JPEG, PNG or
     WebP whose header claims more than MAX_IMAGE_PIXELS is an InvalidArgumentError before it is decoded."""
     def other_format():
-        with tf.control_dependencies([check_pixels(header_shape(encoded))]):
-            image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        image = decode_any(encoded)
         window = center_crop_window_of_shape(tf.shape(image), crop_fraction)
         image = image[window[0]:window[0] + window[2], window[1]:window[1] + window[3]]
         return _resize(image, image_size, dtype, resize_method)

@@ -59,6 +59,49 @@ class Imagenet2012Like(tfds.core.GeneratorBasedBuilder):
             yield name, {'image': io.BytesIO(encoded), 'label': label - 1, 'file_name': name}
 
 
+class ArrayImages(tfds.core.GeneratorBasedBuilder):
+    """Images given to tensorflow_datasets as arrays, which it stores as PNG (its Image feature's default), one
+    class per image so that a label names its image."""
+    VERSION = tfds.core.Version('1.0.0')
+    IMAGES = 8
+
+    def _info(self):
+        return tfds.core.DatasetInfo(builder=self, supervised_keys=('image', 'label'), features=tfds.features.FeaturesDict({
+            'image': tfds.features.Image(shape=(None, None, 3)),
+            'label': tfds.features.ClassLabel(num_classes=self.IMAGES)}))
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples() for split in (tfrecord.TRAIN, tfrecord.VALIDATION)}
+
+    def _generate_examples(self):
+        for index in range(self.IMAGES):
+            yield index, {'image': helpers.photo_like(24, 28, index), 'label': index}
+
+
+class PngTest(tf.test.TestCase):
+
+    def test_png_images_decode_losslessly_in_evaluation_and_training(self):
+        from imagenet_tpu.data import pipeline
+        root = tempfile.mkdtemp(prefix='tfds-png-', dir=self.get_temp_dir())
+        builder = ArrayImages(data_dir=root, file_format='tfrecord')
+        builder.download_and_prepare()
+        config = helpers.tiny_config(data_dir=builder.data_dir, num_classes=8, num_train_images=8, num_eval_images=8,
+                                     eval_batch_size=8, global_batch_size=4, bad_records='fatal', image_size=16)
+        images, model_classes, weights = next(pipeline.eval_dataset(config).as_numpy_iterator())
+        self.assertEqual(sorted(model_classes.tolist()), list(range(8)))
+        self.assertAllEqual(weights, np.ones(8))
+        for image, model_class in zip(images, model_classes):
+            # PNG keeps the pixels: the central 0.875 of the shorter side of the array itself, resized.
+            source = helpers.photo_like(24, 28, int(model_class))
+            side = int(0.875 * 24)
+            top, left = (24 - side + 1) // 2, (28 - side + 1) // 2
+            expected = tf.image.resize(source[top:top + side, left:left + side], [16, 16]).numpy()
+            self.assertAllClose(image, expected, atol=1e-3)
+        batch, labels_ = next(pipeline.train_dataset(config).as_numpy_iterator())
+        self.assertEqual(batch.shape, (4, 16, 16, 3))
+        self.assertTrue(set(labels_.tolist()) <= set(range(8)))
+
+
 class TfdsLayoutTest(tf.test.TestCase):
 
     @classmethod
