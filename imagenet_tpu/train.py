@@ -208,14 +208,19 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
 
 
 def tune_convolutions(network: keras.Model, config: Config, num_replicas: int, print_fn=print) -> None:
-    """Times the convolutions' formulations on this machine before the input pipeline starts (cpu/convolution.py:
-    CPU-only machines, one replica, not --deterministic, float32)."""
+    """Times the convolutions' and batch norms' formulations on this machine before the input pipeline starts,
+    for the per-replica batch (cpu/convolution.py, cpu/batch_norm.py: CPU-only machines, not --deterministic,
+    float32); shapes timed before on this machine come from its tuning cache (cpu/tuning.py)."""
     started = time.perf_counter()
-    choices = cpu.tune_network(network, config.global_batch_size // num_replicas, num_replicas)
-    if choices:
-        others = sum(any(name != cpu.convolution.DEFAULT for name in choice.values()) for choice in choices.values())
-        print_fn(f'convolutions tuned to this machine: {len(choices)} shapes, {others} computed another way than '
-                 f"TensorFlow's convolution op ({time.perf_counter() - started:.1f} s)")
+    tuned = cpu.tune_network(network, config.global_batch_size // num_replicas, num_replicas)
+    convolutions, norms = tuned['convolution'], tuned['batch_norm']
+    if convolutions or norms:
+        others = sum(any(name != cpu.convolution.DEFAULT for name in choice.values()) for choice in convolutions.values())
+        formulations = sorted(set(norms.values()))
+        print_fn(f'kernels tuned to this machine: {len(convolutions)} convolution shapes ({others} computed another '
+                 f"way than TensorFlow's convolution op), {len(norms)} batch-norm shapes "
+                 f"({', '.join(f'{name} {list(norms.values()).count(name)}' for name in formulations) or 'none'}) "
+                 f'in {time.perf_counter() - started:.1f} s')
 
 
 def use_jit(config: Config, strategy: tf.distribute.Strategy) -> bool:

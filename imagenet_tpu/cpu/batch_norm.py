@@ -6,14 +6,32 @@ batch-norm forward pass on channels-last maps is several times slower per elemen
 two matrix products (ones [1, n] x the map as [n, C], then x its squared deviations), normalizes with one
 multiply-add per element, and leaves the backward pass to the same fused gradient kernel, given those
 statistics: the same function and the same variables, so a checkpoint of either layer loads into the other.
+
+Which formulation of the training step is fastest depends on the CPU (AMD without AVX-512 and Intel with it rank
+them differently: docs/benchmarks.md), so, as the convolutions are (convolution.py), each per-replica shape is
+timed once on the machine, forward and backward: 'matmul' (the statistics as matrix products), 'reduce' (the same
+with TensorFlow's mean reductions) and 'fused' (Keras's fused kernel, the layer's own code). Another formulation
+replaces 'matmul' only when it took at most MARGIN of its time; shapes under MIN_ELEMENTS, runs with op
+determinism and batches of unknown size keep 'matmul'. The choices are kept per machine (tuning.py).
 """
 
-from typing import Optional, Sequence
+import threading
+import time
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 import tf_keras as keras
+from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: no public API
 
+from imagenet_tpu.cpu import tuning
 from imagenet_tpu.distribute import collectives
+
+FORMULATIONS = ('matmul', 'reduce', 'fused')
+DEFAULT = 'matmul'
+MARGIN = 0.97
+# Maps smaller than this many elements keep 'matmul': timing them would cost more than any formulation saves
+# (ResNet-50's smallest batch-norm map at 128 px and batch 32 has 1.6 million).
+MIN_ELEMENTS = 1_000_000
 
 
 def places_on_accelerator(devices: Sequence[str]) -> bool:
@@ -43,23 +61,28 @@ def _normalize_with(x, gamma, beta, mean, variance, epsilon):
     return x * scale + (beta - mean * scale)
 
 
-def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
+def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float,
+                       statistics: str = 'matmul'):
     """Batch norm in training mode of float32 NHWC maps x: (y, batch mean, biased batch variance).
 
-    The statistics are two matrix products with X the map as [n, C]: mean = ones [1, n] x X / n, then
-    variance = ones x (X - mean)^2 / n (two passes: no cancellation when a channel's mean is far from 0);
-    y = x * a + b per channel. The gradient is TensorFlow's fused batch-norm gradient kernel (the one
-    Keras's fused layer uses) given these statistics: the gradient of the whole function, through mean and
-    variance, with respect to x, gamma and beta."""
+    With ``statistics`` 'matmul' they are two matrix products with X the map as [n, C]: mean = ones [1, n] x X /
+    n, then variance = ones x (X - mean)^2 / n (two passes: no cancellation when a channel's mean is far from 0);
+    with 'reduce' the same two passes as TensorFlow's mean reductions. y = x * a + b per channel. The gradient is
+    TensorFlow's fused batch-norm gradient kernel (the one Keras's fused layer uses) given these statistics: the
+    gradient of the whole function, through mean and variance, with respect to x, gamma and beta."""
     channels = x.shape[-1]
 
     @tf.custom_gradient
     def normalize(x, gamma, beta):
         rows = tf.reshape(x, [-1, channels])
-        count = tf.shape(rows)[0]
-        ones = tf.ones([1, count], x.dtype)
-        mean = tf.matmul(ones, rows) / tf.cast(count, x.dtype)
-        variance = tf.matmul(ones, tf.math.squared_difference(rows, mean)) / tf.cast(count, x.dtype)
+        if statistics == 'reduce':
+            mean = tf.reduce_mean(rows, axis=0, keepdims=True)
+            variance = tf.reduce_mean(tf.math.squared_difference(rows, mean), axis=0)
+        else:
+            count = tf.shape(rows)[0]
+            ones = tf.ones([1, count], x.dtype)
+            mean = tf.matmul(ones, rows) / tf.cast(count, x.dtype)
+            variance = tf.matmul(ones, tf.math.squared_difference(rows, mean)) / tf.cast(count, x.dtype)
         mean, variance = tf.reshape(mean, [channels]), tf.reshape(variance, [channels])
         y = _normalize_with(x, gamma, beta, mean, variance, epsilon)
 
@@ -72,6 +95,110 @@ def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon:
         return (y, tf.stop_gradient(mean), tf.stop_gradient(variance)), gradient
 
     return normalize(x, gamma, beta)
+
+
+def training_output(formulation: str, x, gamma, beta, epsilon: float):
+    """The training-mode output of ``formulation`` (FORMULATIONS)."""
+    if formulation == 'fused':
+        return tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, epsilon=epsilon, is_training=True)[0]
+    return normalize_training(x, gamma, beta, epsilon, statistics=formulation)[0]
+
+
+def training_step(formulation: str, x, gamma, beta, dy, epsilon: float):
+    """(y, dx, dgamma, dbeta) of ``formulation``: its forward pass and the kernels its gradient runs, called
+    directly (no GradientTape: timing runs inside tf.init_scope while a step is traced, where tapes are paused)."""
+    if formulation == 'fused':
+        y, _, _, saved_mean, saved_variance, reserve = tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=gamma, offset=beta, mean=tf.zeros([0]), variance=tf.zeros([0]), epsilon=epsilon,
+            data_format='NHWC', is_training=True)
+    else:
+        y, saved_mean, saved_variance = normalize_training(x, gamma, beta, epsilon, statistics=formulation)
+        reserve = tf.zeros([0], x.dtype)
+    dx, dgamma, dbeta = tf.raw_ops.FusedBatchNormGradV3(
+        y_backprop=dy, x=x, scale=gamma, reserve_space_1=saved_mean, reserve_space_2=saved_variance,
+        reserve_space_3=reserve, epsilon=epsilon, data_format='NHWC', is_training=True)[:3]
+    return y, dx, dgamma, dbeta
+
+
+@tf.autograph.experimental.do_not_convert     # Python that times eagerly, also when called while tracing
+def measure(shape: Tuple[int, ...], repeats: int = 3, epsilon: float = 1e-3) -> Dict[str, float]:
+    """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta)
+    of each formulation on float32 maps of ``shape``, each as a tf.function, shortest of ``repeats`` after a
+    warm-up."""
+    channels = shape[-1]
+    x = tf.random.normal(shape) * 0.5 + 1.0
+    dy = tf.random.normal(shape)
+    gamma, beta = tf.ones([channels]), tf.zeros([channels])
+    seconds = {}
+    for formulation in FORMULATIONS:
+        step = tf.function(lambda x, gamma, beta, dy, formulation=formulation: training_step(
+            formulation, x, gamma, beta, dy, epsilon))
+
+        def run():
+            return [value.numpy() for value in step(x, gamma, beta, dy)]
+
+        run()
+        best = float('inf')
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - started)
+        seconds[formulation] = best
+    return seconds
+
+
+def fastest(seconds: Dict[str, float]) -> str:
+    """The formulation of least time if it took at most MARGIN of DEFAULT's, else DEFAULT."""
+    best = min(seconds, key=seconds.get)
+    return best if seconds[best] <= MARGIN * seconds[DEFAULT] else DEFAULT
+
+
+_choices: Dict[Tuple[int, ...], str] = {}
+_lock = threading.Lock()
+
+
+@tf.autograph.experimental.do_not_convert
+def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_measure: bool = True) -> str:
+    """The formulation for training maps of ``shape``: this process's choice, else the machine's cache's, else
+    (``may_measure``) measured and remembered in both; else DEFAULT. Small maps keep DEFAULT unmeasured."""
+    shape = tuple(int(size) for size in shape)
+    elements = 1
+    for size in shape:
+        elements *= size
+    if elements < MIN_ELEMENTS:
+        return DEFAULT
+    with _lock:
+        if shape not in _choices:
+            key = ','.join(str(size) for size in shape)
+            choice = tuning.CACHE.get('batch_norm', key)
+            if choice not in FORMULATIONS:
+                if not may_measure:
+                    return DEFAULT
+                with tf.init_scope():      # eagerly, also while a tf.function is being traced
+                    choice = fastest((measure_fn or measure)(shape))
+                tuning.CACHE.put('batch_norm', key, choice)
+            _choices[shape] = choice
+        return _choices[shape]
+
+
+def tune_network(network: keras.Model, batch_size: int) -> Dict[Tuple[int, ...], str]:
+    """Times every shape of the network's BatchNormalization layers (ours, built, using their own kernels) for
+    batches of ``batch_size`` per replica now, before training starts; returns {shape: formulation}. Nothing with
+    op determinism on."""
+    if tf_config.is_op_determinism_enabled():
+        return {}
+    choices = {}
+    for layer in network.submodules:
+        if isinstance(layer, BatchNormalization) and layer.built and layer._use_cpu_kernels:  # pylint: disable=protected-access
+            try:
+                shape = layer.input_shape
+            except (AttributeError, RuntimeError):
+                continue
+            if (isinstance(shape, tuple) and len(shape) == 4 and layer.axis == [3] and layer.dtype == 'float32'
+                    and layer.compute_dtype == 'float32' and all(size is not None for size in shape[1:])):
+                full = (batch_size, *shape[1:])
+                choices[full] = choose(full)
+    return choices
 
 
 @keras.utils.register_keras_serializable('imagenet_tpu')
@@ -107,7 +234,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if not training_value:
             return _normalize_with(inputs, self.gamma, self.beta, self.moving_mean, self.moving_variance,
                                    self.epsilon)
-        outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon)
+        formulation = self.formulation(inputs.shape)
+        if formulation == 'fused':
+            return super().call(inputs, training=training, mask=mask)
+        outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon, formulation)
         count = tf.cast(tf.size(inputs, tf.int64) // tf.shape(inputs, tf.int64)[-1], variance.dtype)
         unbiased = variance * count / tf.maximum(count - 1.0, 1.0)
         # Under a strategy a replica may get an empty batch: as Keras, it leaves the moving statistics alone
@@ -116,6 +246,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
         self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, batch))
         self.add_update(lambda: self._assign_moving_average(self.moving_variance, unbiased, self.momentum, batch))
         return outputs
+
+    @staticmethod
+    def formulation(shape) -> str:
+        """The training formulation for maps of ``shape`` (choose), DEFAULT where it is not fully known or op
+        determinism is on. A shape not yet timed is timed only under one replica."""
+        shape = tf.TensorShape(shape)
+        if not shape.is_fully_defined() or tf_config.is_op_determinism_enabled():
+            return DEFAULT
+        return choose(shape.as_list(), may_measure=tf.distribute.get_strategy().num_replicas_in_sync == 1)
 
     def get_config(self):
         config = super().get_config()

@@ -13,13 +13,15 @@ on CPU"), and the best way to compute it depends on the shape. Each computation 
                    input channels are the images and whose filter is dY (dilated by the stride).
 
 Conv2D times the applicable formulations of each computation once per problem (batch, map size, channels,
-filter, strides, padding) on this machine, where it is first traced, and uses the fastest of each: an autotuner,
-as cuDNN's is for GPUs. The result is the same function (to float rounding) with the same variables, so
-checkpoints load into Keras's layer and back. Tuning happens on machines without GPU or TPU (cpu_only), for
-float32 channels-last maps of known batch size and at least MIN_MULTIPLY_ADDS, under no strategy of several
-replicas (they would be traced side by side and time each other). With TensorFlow's op determinism on
-(--deterministic) every computation stays 'convolution', so that runs repeat bit for bit. Wherever tuning does
-not apply, the layer is exactly Keras's.
+filter, strides, padding) on this machine and uses the fastest of each: an autotuner, as cuDNN's is for GPUs.
+The result is the same function (to float rounding) with the same variables, so checkpoints load into Keras's
+layer and back. Tuning happens on machines without GPU or TPU (cpu_only), for float32 channels-last maps of known
+batch size and at least MIN_MULTIPLY_ADDS. tune_network times every problem of a network before training starts,
+also for several replicas (they share the per-replica shapes); while a step is traced, a problem not yet timed is
+timed only under one replica (replicas traced side by side would time each other), else it keeps TensorFlow's
+op. The choices are kept per machine (tuning.py), so a resumed or repeated run does not time again. With
+TensorFlow's op determinism on (--deterministic) every computation stays 'convolution', so that runs repeat bit
+for bit. Wherever tuning does not apply, the layer is exactly Keras's.
 """
 
 import dataclasses
@@ -31,6 +33,7 @@ import tensorflow as tf
 import tf_keras as keras
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: no public API
 
+from imagenet_tpu.cpu import tuning
 from imagenet_tpu.cpu.batch_norm import cpu_only
 
 PARTS = ('forward', 'input_gradient', 'filter_gradient')
@@ -187,20 +190,45 @@ _choices: Dict[Problem, Dict[str, str]] = {}
 _lock = threading.Lock()
 
 
-def choose(problem: Problem, measure_fn: Optional[Callable] = None) -> Dict[str, str]:
-    """The tuned choice for ``problem``: measured on its first request in this process, then remembered."""
+def cache_key(problem: Problem) -> str:
+    """``problem`` as the tuning cache names it."""
+    return ','.join(str(value) for value in (*problem.input_shape, problem.filters, *problem.kernel,
+                                              *problem.strides, problem.padding))
+
+
+def _cached(problem: Problem) -> Optional[Dict[str, str]]:
+    """The cache's choice for ``problem`` if it is a valid one (every computation, each an applicable name)."""
+    choice = tuning.CACHE.get('convolution', cache_key(problem))
+    options = candidates(problem)
+    if isinstance(choice, dict) and set(choice) == set(PARTS) and all(choice[part] in options[part] for part in PARTS):
+        return choice
+    return None
+
+
+def choose(problem: Problem, measure_fn: Optional[Callable] = None, may_measure: bool = True) -> Dict[str, str]:
+    """The tuned choice for ``problem``: this process's, else the machine's cache's, else (``may_measure``)
+    measured and remembered in both; else TensorFlow's op for every computation."""
     with _lock:
         if problem not in _choices:
-            with tf.init_scope():          # eagerly, also while a tf.function is being traced
-                _choices[problem] = fastest((measure_fn or measure)(problem))
+            choice = _cached(problem)
+            if choice is None:
+                if not may_measure:
+                    return {part: DEFAULT for part in PARTS}
+                with tf.init_scope():          # eagerly, also while a tf.function is being traced
+                    choice = fastest((measure_fn or measure)(problem))
+                tuning.CACHE.put('convolution', cache_key(problem), choice)
+            _choices[problem] = choice
         return _choices[problem]
 
 
 def tuning_applies() -> bool:
-    """Whether convolutions traced now may be tuned: op determinism is off and one replica runs in this process
-    (replicas traced side by side would time each other)."""
-    if tf_config.is_op_determinism_enabled():
-        return False
+    """Whether convolutions traced now may use tuned formulations: op determinism is off."""
+    return not tf_config.is_op_determinism_enabled()
+
+
+def may_measure_now() -> bool:
+    """Whether a problem may be timed while a step is traced: one replica in this process (replicas traced side by
+    side would time each other)."""
     return tf.distribute.get_strategy().num_replicas_in_sync == 1
 
 
@@ -241,7 +269,7 @@ class Conv2D(keras.layers.Conv2D):
         problem = self.problem(inputs)
         if problem is None or not tuning_applies():
             return super().convolution_op(inputs, kernel)
-        choice = choose(problem)
+        choice = choose(problem, may_measure=may_measure_now())
         if all(name == DEFAULT for name in choice.values()):
             return super().convolution_op(inputs, kernel)
         return convolve(inputs, kernel, problem, choice)
@@ -254,9 +282,11 @@ class Conv2D(keras.layers.Conv2D):
 
 def tune_network(network: keras.Model, batch_size: int, num_replicas: int = 1) -> Dict[Problem, Dict[str, str]]:
     """Tunes every Conv2D of ``network`` for batches of ``batch_size`` per replica now, before training starts
-    (rather than while its step is traced, beside the input pipeline's threads); returns the choices. Nothing is
-    tuned with several replicas, with op determinism on, or where the layers' own rules say no."""
-    if num_replicas != 1 or tf_config.is_op_determinism_enabled():
+    (rather than while its step is traced, beside the input pipeline's threads), for one replica or several (they
+    share the shapes); returns the choices. Nothing is tuned with op determinism on, or where the layers' own
+    rules say no."""
+    del num_replicas     # every replica has the same problems; they are timed here, before any replica runs
+    if tf_config.is_op_determinism_enabled():
         return {}
     choices = {}
     for layer in network.submodules:     # nested models too

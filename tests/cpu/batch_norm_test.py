@@ -1,6 +1,11 @@
 """Our CPU batch norm (imagenet_tpu.cpu.batch_norm) against Keras's fused layer and NumPy."""
 
+import contextlib
+import io
+import json
 import os
+import tempfile
+from unittest import mock
 
 from absl.testing import parameterized
 import numpy as np
@@ -9,6 +14,7 @@ import tf_keras as keras
 
 import helpers
 from imagenet_tpu.cpu import batch_norm as cpu_batch_norm
+from imagenet_tpu.cpu import tuning
 
 helpers.use_eight_cpus()
 
@@ -165,6 +171,110 @@ class BatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         tf.train.Checkpoint(network=networks[1]).read(path).assert_consumed()
         self.assertAllClose(networks[1](images, training=False), networks[0](images, training=False),
                             atol=1e-5, rtol=1e-5)
+
+
+class FormulationTest(tf.test.TestCase, parameterized.TestCase):
+    """The batch norm's training formulations, each against NumPy, and the choice between them by measurement."""
+
+    def setUp(self):
+        super().setUp()
+        rng = np.random.default_rng(4)
+        self.x = (rng.normal(size=(4, 6, 6, CHANNELS)) * 0.5 + np.arange(CHANNELS)).astype(np.float32)
+        self.upstream = rng.normal(size=self.x.shape).astype(np.float32)
+        self.gamma = rng.uniform(0.5, 1.5, CHANNELS).astype(np.float32)
+        self.beta = rng.normal(size=CHANNELS).astype(np.float32)
+
+    @parameterized.parameters(*cpu_batch_norm.FORMULATIONS)
+    def test_each_formulation_equals_numpy(self, formulation):
+        x, gamma, beta = (tf.constant(value) for value in (self.x, self.gamma, self.beta))
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y = cpu_batch_norm.training_output(formulation, x, gamma, beta, EPSILON)
+        dx, dgamma, dbeta = tape.gradient(y, [x, gamma, beta], output_gradients=tf.constant(self.upstream))
+        ey, edx, mean, variance = helpers.numpy_batch_norm(self.x, self.upstream, self.gamma, self.beta, EPSILON)
+        normalized = (self.x - mean) / np.sqrt(variance + EPSILON)
+        self.assertAllClose(y, ey, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(dx, edx, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(dgamma, (self.upstream * normalized).sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
+        self.assertAllClose(dbeta, self.upstream.sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
+        # What the tuner times: the same forward pass and gradient kernels, called directly.
+        timed = cpu_batch_norm.training_step(formulation, x, gamma, beta, tf.constant(self.upstream), EPSILON)
+        for got, expected in zip(timed, (y, dx, dgamma, dbeta)):
+            self.assertAllClose(got, expected, atol=1e-5, rtol=1e-5)
+
+    def test_measure_times_every_formulation(self):
+        seconds = cpu_batch_norm.measure((2, 4, 4, CHANNELS), repeats=1)
+        self.assertEqual(tuple(seconds), cpu_batch_norm.FORMULATIONS)
+        self.assertTrue(all(0 < value < 10 for value in seconds.values()), seconds)
+
+    def test_the_choice_follows_the_timings_beyond_the_margin_and_is_kept_per_machine(self):
+        self.assertEqual(cpu_batch_norm.fastest({'matmul': 1.0, 'reduce': 0.99, 'fused': 2.0}), 'matmul')
+        self.assertEqual(cpu_batch_norm.fastest({'matmul': 1.0, 'reduce': 0.9, 'fused': 0.5}), 'fused')
+        shape = (3, 100, 100, 111)          # a shape no other test uses, over MIN_ELEMENTS
+        calls = []
+
+        def fake(timings):
+            def measure(measured_shape):
+                calls.append(measured_shape)
+                return timings
+            return measure
+
+        folder = tempfile.mkdtemp(dir=self.get_temp_dir())
+        with mock.patch.object(tuning, 'CACHE', tuning.Cache()), \
+                mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder}), \
+                mock.patch.dict(cpu_batch_norm._choices, clear=True):
+            self.assertEqual(cpu_batch_norm.choose((2, 3, 3, 4), fake({'fused': 0.0, 'matmul': 1.0})), 'matmul')
+            self.assertEqual(calls, [])     # too small to time
+            self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 1.0, 'reduce': 0.8, 'fused': 0.9}),
+                                                   may_measure=False), 'matmul')
+            for _ in range(2):
+                self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 1.0, 'reduce': 0.8, 'fused': 0.9})),
+                                 'reduce')
+            self.assertEqual(calls, [shape])
+            # Another process of this machine: from the cache, not timed again.
+            cpu_batch_norm._choices.clear()
+            tuning.CACHE.reset()
+            self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 1.0, 'reduce': 2.0, 'fused': 3.0})),
+                             'reduce')
+            self.assertEqual(calls, [shape])
+            with open(tuning.CACHE.path) as f:
+                self.assertEqual(json.load(f)['entries']['batch_norm'], {'3,100,100,111': 'reduce'})
+
+    def test_a_corrupt_or_foreign_cache_is_ignored_with_one_line(self):
+        folder = tempfile.mkdtemp(dir=self.get_temp_dir())
+        with mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder}):
+            cache = tuning.Cache()
+            cache.put('batch_norm', '1,2,3,4', 'fused')
+            path = cache.path
+            for content in ('{"format": 1, "machine": {"cpu": "another"}, "entries": {}}', 'not json', '[1, 2]'):
+                with open(path, 'w') as f:
+                    f.write(content)
+                stderr = io.StringIO()
+                with contextlib.redirect_stderr(stderr):
+                    self.assertIsNone(tuning.Cache().get('batch_norm', '1,2,3,4'))
+                self.assertLen(stderr.getvalue().strip().splitlines(), 1)
+                self.assertIn(f'ignoring the tuning cache {path}', stderr.getvalue())
+        with mock.patch.dict(os.environ, {tuning.ENVIRONMENT: 'off'}):
+            cache = tuning.Cache()
+            cache.put('batch_norm', '1,2,3,4', 'fused')
+            self.assertIsNone(cache.path)
+            self.assertEqual(cache.get('batch_norm', '1,2,3,4'), 'fused')    # kept in this process only
+
+    @parameterized.parameters(*cpu_batch_norm.FORMULATIONS)
+    def test_the_layer_with_each_formulation_equals_keras(self, formulation):
+        layers = [cpu_batch_norm.BatchNormalization(cpu_kernels=True, momentum=MOMENTUM, epsilon=EPSILON),
+                  keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON)]
+        x = tf.constant(self.x)
+        with mock.patch.object(cpu_batch_norm.BatchNormalization, 'formulation', staticmethod(lambda shape: formulation)):
+            results = []
+            for layer in layers:
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                results.append((y, tape.gradient(y, x, output_gradients=tf.constant(self.upstream)),
+                                layer.moving_mean, layer.moving_variance))
+        for ours, theirs in zip(*results):
+            self.assertAllClose(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 if __name__ == '__main__':

@@ -3,6 +3,7 @@ Keras's Conv2D layer."""
 
 import itertools
 import os
+import tempfile
 from unittest import mock
 
 from absl.testing import parameterized
@@ -13,6 +14,7 @@ from tensorflow.python.framework import config as tf_config
 
 import helpers
 from imagenet_tpu.cpu import convolution
+from imagenet_tpu.cpu import tuning
 from imagenet_tpu.model import resnet
 from imagenet_tpu.cpu.convolution import Problem
 
@@ -173,8 +175,9 @@ class Conv2DTest(tf.test.TestCase):
                 finally:
                     tf_config.disable_op_determinism()
                 self.assertTrue(convolution.tuning_applies())
-                with helpers.mirrored(2).scope():
-                    self.assertFalse(convolution.tuning_applies())
+                with helpers.mirrored(2).scope():     # choices made before the replicas run are used ...
+                    self.assertTrue(convolution.tuning_applies())
+                    self.assertFalse(convolution.may_measure_now())    # ... but none is timed while they trace
 
     def test_tuned_by_default_on_a_cpu_machine(self):
         layer = convolution.Conv2D(4, 3)
@@ -234,18 +237,39 @@ class ResNetTuningTest(tf.test.TestCase):
 
         with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), \
                 mock.patch.object(convolution, 'measure', fake_measure), \
-                mock.patch.dict(convolution._choices, clear=True):
-            self.assertEqual(convolution.tune_network(network, 6, num_replicas=2), {})
+                mock.patch.dict(convolution._choices, clear=True), \
+                mock.patch.object(tuning, 'CACHE', tuning.Cache()), \
+                mock.patch.dict(os.environ, {tuning.ENVIRONMENT: tempfile.mkdtemp(dir=self.get_temp_dir())}):
             tf_config.enable_op_determinism()
             try:
                 self.assertEqual(convolution.tune_network(network, 6), {})
             finally:
                 tf_config.disable_op_determinism()
             self.assertEqual(measured, [])
-            choices = convolution.tune_network(network, 6)
+            # Several replicas share the per-replica problems: timed here, before any replica runs.
+            choices = convolution.tune_network(network, 6, num_replicas=2)
             self.assertEqual(set(choices), expected)
             self.assertCountEqual(measured, expected)          # each problem once
             self.assertTrue(all(name == 'convolution' for choice in choices.values() for name in choice.values()))
+            # A new process on this machine (the choices of this one forgotten) reads them from the cache.
+            convolution._choices.clear()
+            tuning.CACHE.reset()
+            self.assertEqual(convolution.tune_network(network, 6), choices)
+            self.assertCountEqual(measured, expected)
+
+    def test_a_problem_not_yet_timed_is_not_timed_under_several_replicas(self):
+        problem = Problem(3, 5, 5, 3, 2, (1, 1), (1, 1), 'SAME')   # used by no other test
+
+        def fail(p):
+            raise AssertionError('timed while replicas trace')
+
+        with mock.patch.object(tuning, 'CACHE', tuning.Cache()), \
+                mock.patch.dict(os.environ, {tuning.ENVIRONMENT: 'off'}):
+            self.assertEqual(convolution.choose(problem, fail, may_measure=False),
+                             {part: 'convolution' for part in convolution.PARTS})
+            with helpers.mirrored(2).scope():
+                self.assertFalse(convolution.may_measure_now())
+            self.assertTrue(convolution.may_measure_now())
 
 
 if __name__ == '__main__':

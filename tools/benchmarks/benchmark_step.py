@@ -10,6 +10,10 @@ ResNet50 is v1 (stride on the first 1x1 convolution: 3.86 GMAC per 224x224 image
 are v1.5 (stride on the 3x3: 4.09 GMAC): besides images/s the ratios are also given per multiply-add
 (GMAC-normalised), scaled by (image_size / 224)^2. Peak memory is the process's peak RSS after each model's warm-up
 (models are built in order, so each figure bounds that model's addition).
+
+The machine's peak: a float32 matrix product of --peak_size x --peak_size, on the same threads, timed after the
+rounds (best of --peak_repeats); each model's achieved FLOP/s (its forward multiply-adds above, times 3 for
+forward and backward, 2 FLOPs each, times images/s) is printed as a fraction of it.
 The last line printed is one JSON object with all figures. tf-models-official is the `peer` extra (BUILD.md);
 without it that model is skipped and said so.
 
@@ -38,6 +42,25 @@ def define_flags():
     flags.DEFINE_integer('rounds', 5, 'Alternating rounds.')
     flags.DEFINE_list('models', ['ours', 'keras_applications', 'tf_models_official', 'ours_lars_groupbn'],
                       'Models to time; the first is the base of the ratios.')
+    flags.DEFINE_integer('peak_size', 2048, 'Side of the square matrices of the peak measurement.')
+    flags.DEFINE_integer('peak_repeats', 10, 'Timed matrix products of the peak measurement.')
+
+
+def matmul_peak_flops(size: int, repeats: int) -> float:
+    """FLOP/s of the best of ``repeats`` float32 [size, size] x [size, size] products (2 size^3 FLOPs each), in
+    a tf.function on this process's threads, after one warm-up."""
+    import time
+    import tensorflow as tf
+    a = tf.random.normal([size, size])
+    b = tf.random.normal([size, size])
+    product = tf.function(lambda a, b: tf.reduce_sum(tf.matmul(a, b)))
+    product(a, b).numpy()
+    best = float('inf')
+    for _ in range(repeats):
+        started = time.perf_counter()
+        product(a, b).numpy()
+        best = min(best, time.perf_counter() - started)
+    return 2 * size ** 3 / best
 
 
 def build_network(name, image_size):
@@ -108,9 +131,17 @@ def main(argv):
     summary['gmac_per_second'] = {n: round(v, 1) for n, v in gmac_per_second.items()}
     summary[f'gmac_normalised_ratio_to_{base}'] = {n: round(v / gmac_per_second[base], 4)
                                                    for n, v in gmac_per_second.items()}
+    peak = matmul_peak_flops(f.peak_size, f.peak_repeats)
+    # FLOPs of a training image: forward, input and weight gradients (3 x the forward), 2 per multiply-add.
+    achieved = {n: summary['images_per_second'][n] * 6 * GMAC_224[n] * 1e9 * scale for n in runners}
+    summary['matmul_peak_gflops'] = round(peak / 1e9, 1)
+    summary['achieved_gflops'] = {n: round(v / 1e9, 1) for n, v in achieved.items()}
+    summary['fraction_of_peak'] = {n: round(v / peak, 4) for n, v in achieved.items()}
+    print(f'peak: a {f.peak_size} x {f.peak_size} float32 matrix product at {peak / 1e9:.1f} GFLOP/s')
     for name in runners:
         print(f'{name}: {gmac_per_second[name]:.1f} GMAC/s, {gmac_per_second[name] / gmac_per_second[base]:.3f}x '
-              f'{base} per multiply-add; peak RSS after warm-up {peak_rss_mb[name]:,.0f} MB')
+              f'{base} per multiply-add; {achieved[name] / 1e9:.1f} GFLOP/s, {achieved[name] / peak:.1%} of the '
+              f'peak; peak RSS after warm-up {peak_rss_mb[name]:,.0f} MB')
     print(json.dumps({'image_size': f.image_size, 'batch_size': f.batch_size, 'precision': f.precision,
                       'jit_compile': f.jit_compile, **summary, 'peak_rss_mb': peak_rss_mb, 'skipped': skipped}))
 
