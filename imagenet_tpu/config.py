@@ -253,6 +253,10 @@ class Config:
     weight_decay: float = optimization(1e-4, 'L2 weight decay on kernels (never on batch-norm parameters or '
                                              'biases).')
     label_smoothing: float = optimization(0.0, 'Label smoothing (0.1 in the large-batch recipes).')
+    gradient_noise_scale: bool = optimization(False, "Estimate McCandlish et al.'s gradient noise scale B_simple at "
+                                                     "every step from the replicas' gradients and their sum "
+                                                     '(needs 2 or more replicas); shown in progress lines, '
+                                                     'TensorBoard and results.json.')
     lars_eeta: float = optimization(0.001, 'LARS trust coefficient (MLPerf: 0.001).')
     lars_epsilon: float = optimization(0.0, 'Added to the LARS trust-ratio denominator (MLPerf v0.6: 1e-5, v0.7: '
                                             '0).')

@@ -28,7 +28,7 @@ from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, StepError, summarize_graph_error
 from imagenet_tpu.model import batch_norm, resnet
 from imagenet_tpu.model import classifier as classifier_lib
-from imagenet_tpu.optim import lars, regularization, rmsprop_warmup, schedules
+from imagenet_tpu.optim import lars, noise_scale, regularization, rmsprop_warmup, schedules
 from imagenet_tpu.serving import export
 from imagenet_tpu.training import callbacks as callbacks_lib
 from imagenet_tpu.training import checkpointing, termination
@@ -189,8 +189,13 @@ def build_gradient_all_reduce(config: Config, strategy: tf.distribute.Strategy):
 def build_classifier(config: Config) -> classifier_lib.Classifier:
     """Network and optimizer, compiled; call inside ``strategy.scope()`` (replicas and mesh come from it)."""
     strategy = tf.distribute.get_strategy()
+    if config.gradient_noise_scale and strategy.num_replicas_in_sync < 2:
+        raise ConfigError('--gradient_noise_scale needs 2 or more replicas: it compares the gradient of one '
+                          "replica's batch with the global batch's")
     network = build_network(config, strategy.num_replicas_in_sync, strategy_lib.replica_order(strategy))
     classifier = classifier_lib.Classifier(network, global_batch_size=config.global_batch_size,
+                                           noise_scale=noise_scale.GradientNoiseScale()
+                                           if config.gradient_noise_scale else None,
                                            weight_decay=loss_weight_decay(config),
                                            decayed=loss_decayed_variables(config, network),
                                            label_smoothing=config.label_smoothing,
@@ -403,7 +408,7 @@ def fit(config: Config, classifier: classifier_lib.Classifier, strategy: tf.dist
     eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     validate = eval_data is not None and config.eval_every_epochs
     sigterm = next((c for c in callbacks if isinstance(c, checkpointing.SaveOnSigterm)), None)
-    train_loss, images_per_second, evaluations = float('nan'), 0.0, 0
+    train_loss, images_per_second, evaluations, noise = float('nan'), 0.0, 0, None
     for segment in checkpointing.fit_segments(start_step, config.train_steps, config.steps_per_epoch):
         step = _step(classifier)
         if step != start_step:   # a later fit call: the stream must continue where the last one stopped
@@ -435,10 +440,13 @@ def fit(config: Config, classifier: classifier_lib.Classifier, strategy: tf.dist
         if history and history.history.get('loss'):
             train_loss = history.history['loss'][-1]
             images_per_second = history.history['images_per_second'][-1]
+            if 'noise_scale' in history.history:
+                noise = float(history.history['noise_scale'][-1])
         if history:
             evaluations += len(history.history.get('val_loss', []))
     return {'steps': _step(classifier), 'train_loss': float(train_loss),
-            'images_per_second': float(images_per_second), 'evaluations': evaluations}
+            'images_per_second': float(images_per_second), 'evaluations': evaluations,
+            **({'noise_scale': noise} if noise is not None else {})}
 
 
 def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy,

@@ -2,10 +2,13 @@
 the loss (cross-entropy with label smoothing, averaged over the global batch, plus weight decay), the gradient
 summation and the metrics that fit and evaluate report."""
 
+from typing import Optional
+
 import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu.optim import regularization
+from imagenet_tpu.optim.noise_scale import GradientNoiseScale
 
 
 def smoothed_cross_entropy(labels: tf.Tensor, logits: tf.Tensor, label_smoothing: float = 0.0) -> tf.Tensor:
@@ -26,11 +29,13 @@ class Classifier(keras.Model):
 
     def __init__(self, network: keras.Model, *, global_batch_size: int, weight_decay: float = 0.0,
                  label_smoothing: float = 0.0, gradient_all_reduce=None, decayed=regularization.is_decayed,
-                 **kwargs):
+                 noise_scale: Optional[GradientNoiseScale] = None, **kwargs):
         """gradient_all_reduce: optional callable(list of per-replica gradients) -> list of summed gradients,
         called in replica context (e.g. collectives.all_reduce_2d); the optimizer then applies the sums
         without aggregating again. Default: the optimizer's own all-reduce. decayed: callable(variable) -> bool,
-        the variables weight_decay applies to (default: kernels only, regularization.is_decayed)."""
+        the variables weight_decay applies to (default: kernels only, regularization.is_decayed). noise_scale: a
+        GradientNoiseScale updated at every step from the replicas' gradients and their sum (it then reports
+        noise_scale among the step's outputs); not part of the model's checkpoints."""
         super().__init__(name=kwargs.pop('name', 'classifier'), **kwargs)
         self.network = network
         self.gradient_all_reduce = gradient_all_reduce
@@ -43,6 +48,9 @@ class Classifier(keras.Model):
         self.finite_weights = tf.Variable(True, trainable=False, name='finite_weights',
                                           synchronization=tf.VariableSynchronization.ON_READ,
                                           aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self._self_setattr_tracking = False      # the estimator's running averages stay out of checkpoints
+        self.noise_scale = noise_scale
+        self._self_setattr_tracking = True
         self.loss_tracker = keras.metrics.Mean('loss')
         self.top_1 = keras.metrics.SparseCategoricalAccuracy('top_1')
         self.top_5 = keras.metrics.SparseTopKCategoricalAccuracy(5, 'top_5')
@@ -75,14 +83,28 @@ class Classifier(keras.Model):
         gradients = tape.gradient(loss, variables)
         if loss_scaling:
             gradients = self.optimizer.get_unscaled_gradients(gradients)
-        if self.gradient_all_reduce is None:
+        noise = {}
+        if self.gradient_all_reduce is None and self.noise_scale is None:
             self.optimizer.apply_gradients(zip(gradients, variables))
         else:
-            gradients = self.gradient_all_reduce(gradients)
+            local = gradients
+            if self.gradient_all_reduce is None:
+                gradients = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, gradients)
+            else:
+                gradients = self.gradient_all_reduce(gradients)
+            if self.noise_scale is not None:
+                # Each replica's loss is its images' cross-entropy over the global batch (plus its share of
+                # weight decay): times the replica count, the gradient of its own mean loss.
+                replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+                noise = self.noise_scale.update([g * float(replicas) for g in local], gradients,
+                                                self.global_batch_size // replicas, self.global_batch_size)
             self.optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
         self.finite_weights.assign(tf.reduce_all([tf.reduce_all(tf.math.is_finite(v))   # and the moving statistics
                                                   for v in self.network.variables if v.dtype.is_floating]))
-        return self._update_metrics(labels, logits, per_example_loss)
+        outputs = self._update_metrics(labels, logits, per_example_loss)
+        if noise:
+            outputs['noise_scale'] = noise['noise_scale']
+        return outputs
 
     def test_step(self, data):
         """Evaluation batches may carry weights: 0 marks padding (see input_pipeline.eval_dataset)."""

@@ -82,7 +82,8 @@ class Progress(keras.callbacks.Callback):
         shown = f'{step * self.global_batch_size / self.num_train_images:.1f}' if self.num_train_images else epoch + 1
         return (f'epoch {shown} step {step}/{self.total_steps} loss {logs.get("loss", float("nan")):.4f} '
                 f'top-1 {100 * logs.get("top_1", float("nan")):.2f}% {significant(images_per_second)} images/s '
-                f'ETA {format_duration(eta)}')
+                f'ETA {format_duration(eta)}' + (f' noise scale {significant(float(logs["noise_scale"]))}'
+                                                 if 'noise_scale' in logs else ''))
 
     def on_train_batch_end(self, batch, logs=None):
         self._last_step_end = now = time.perf_counter()

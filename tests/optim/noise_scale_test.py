@@ -1,0 +1,77 @@
+"""The gradient noise scale (McCandlish et al. 2018) against the closed form of linear regression with Gaussian
+data, and in the training step: reported when asked for, training unchanged."""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+from imagenet_tpu import train
+from imagenet_tpu.config import ConfigError
+from imagenet_tpu.optim import noise_scale
+
+helpers.use_eight_cpus()
+
+
+class ClosedFormTest(tf.test.TestCase):
+    """Per-example loss (x . w - y)^2 / 2 with x ~ N(0, I_d), y = x . w* + e, e ~ N(0, s^2), at w = w* + delta:
+    the per-example gradient is g = x (x . delta - e), so G = E[g] = delta and, by Isserlis' theorem,
+    E[g g^T] = (|delta|^2 + s^2) I + 2 delta delta^T: Sigma = (|delta|^2 + s^2) I + delta delta^T,
+    tr(Sigma) = d (|delta|^2 + s^2) + |delta|^2 and B_simple = tr(Sigma) / |delta|^2."""
+
+    def test_the_estimates_converge_to_the_closed_form(self):
+        dimension, noise, replicas, per_replica = 8, 0.5, 8, 4
+        delta = np.random.default_rng(0).normal(size=dimension).astype(np.float32)
+        delta /= np.linalg.norm(delta)                      # |delta|^2 = 1
+        trace = dimension * (1 + noise ** 2) + 1
+        strategy = helpers.mirrored(replicas)
+        with strategy.scope():
+            estimator = noise_scale.GradientNoiseScale(decay=0.998)
+
+        @tf.function
+        def run(steps):
+            def replica(step):
+                context = tf.distribute.get_replica_context()
+                seed = tf.stack([step, tf.cast(context.replica_id_in_sync_group, tf.int64)])
+                x = tf.random.stateless_normal([per_replica, dimension], seed)
+                e = noise * tf.random.stateless_normal([per_replica], seed + [0, 1000])
+                residual = tf.linalg.matvec(x, tf.constant(delta)) - e
+                gradient = tf.reduce_mean(residual[:, None] * x, axis=0)     # of this replica's mean loss
+                overall = context.all_reduce(tf.distribute.ReduceOp.MEAN, gradient)
+                estimator.update([gradient], [overall], per_replica, replicas * per_replica)
+
+            for step in tf.range(steps, dtype=tf.int64):
+                strategy.run(replica, args=(step,))
+
+        run(tf.constant(3000, tf.int64))
+        result = {name: float(value) for name, value in estimator.result().items()}
+        print(f"estimated |G|^2 {result['squared_gradient']:.3f} (exact 1), tr(Sigma) {result['trace']:.2f} "
+              f"(exact {trace:.2f}), B_simple {result['noise_scale']:.2f} (exact {trace:.2f})")
+        self.assertAllClose(result['squared_gradient'], 1.0, rtol=0.15)
+        self.assertAllClose(result['trace'], trace, rtol=0.05)
+        self.assertAllClose(result['noise_scale'], trace, rtol=0.15)
+
+    def test_one_batch_size_is_refused(self):
+        estimator = noise_scale.GradientNoiseScale()
+        with self.assertRaisesRegex(ValueError, 'at least two replicas'):
+            estimator.update([tf.ones([2])], [tf.ones([2])], 16, 16)
+
+
+class TrainingStepTest(tf.test.TestCase):
+
+    def test_reported_by_the_step_and_training_unchanged(self):
+        config = helpers.tiny_config(norm='batch_norm')
+        with_noise = dataclasses.replace(config, gradient_noise_scale=True)
+        initial, (plain, measured) = helpers.train_same_start([(config, helpers.mirrored(2)),
+                                                               (with_noise, helpers.mirrored(2))])
+        # The explicit all-reduce the estimate needs sums what the optimizer's own does.
+        helpers.assert_same_training(self, plain, measured, initial, atol=1e-6, rtol=1e-5)
+        with helpers.mirrored(2).scope():
+            classifier = train.build_classifier(with_noise)
+        history = classifier.fit(helpers.equivalence_batches(3), epochs=1, steps_per_epoch=3, verbose=0)
+        scale = history.history['noise_scale'][-1]
+        self.assertTrue(np.isfinite(scale), scale)
+        with self.assertRaisesRegex(ConfigError, 'needs 2 or more replicas'):
+            with helpers.mirrored(1).scope():
+                train.build_classifier(with_noise)
