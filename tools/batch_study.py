@@ -268,7 +268,7 @@ def main(argv):
     from imagenet_tpu import runtime
     runtime.import_tensorflow()
     from imagenet_tpu.distribute import strategy as strategy_lib
-    from imagenet_tpu.errors import RunError
+    from imagenet_tpu.errors import Preempted, RunError
     strategy_lib.use_logical_cpus(8)
     if not os.path.isdir(f.data_dir):
         print(f'error: --data_dir {f.data_dir} does not exist (python tools/data/make_demo_data.py --output_dir '
@@ -284,7 +284,10 @@ def main(argv):
         begun = time.perf_counter()
         try:
             results = run_point(config, model_dir)
-        except RunError as error:
+        except Preempted:
+            print(f'{name}: stopped by SIGTERM after saving it; run the same command again to continue', flush=True)
+            return 143
+        except RunError as error:     # a point that fails (a diverged run, say) is a row of its own
             print(f'{name}: {error}', flush=True)
             results = {'steps': None, 'top_1': float('nan')}
         if time.perf_counter() - begun > 1:
