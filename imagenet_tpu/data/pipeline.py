@@ -89,6 +89,7 @@ def fold_seed(seed: tf.Tensor, *values) -> tf.Tensor:
     return seed
 
 
+@record_io.traced_as_written
 def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                   dtype: Optional[tf.DType] = None, start_step: int = 0,
                   skip_counts: Optional[SkipCounts] = None, log: Callable[[str], None] = print,
@@ -316,6 +317,7 @@ def space_to_depth(batches: tf.data.Dataset, config: Config) -> tf.data.Dataset:
     return batches
 
 
+@record_io.traced_as_written
 def eval_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                  dtype: Optional[tf.DType] = None, skip_counts: Optional[SkipCounts] = None) -> tf.data.Dataset:
     """Exactly config.eval_steps full batches of (images, labels, weights) per replica, in file order.
@@ -374,6 +376,7 @@ def eval_preprocessing(layout: tfrecord.Layout) -> Callable:
     return preprocessing.preprocess_any_for_eval if layout.tfds else preprocessing.preprocess_for_eval
 
 
+@record_io.traced_as_written
 def calibration_dataset(config: Config, count: int) -> tf.data.Dataset:
     """``count`` training images (fewer if the shards hold fewer), float32 [image_size, image_size, 3] with the
     evaluation preprocessing and no augmentation, drawn from every training file in turn, bad records skipped:
@@ -391,6 +394,7 @@ def calibration_dataset(config: Config, count: int) -> tf.data.Dataset:
     return records.map(parse, num_parallel_calls=AUTOTUNE, deterministic=True).ignore_errors().take(count)
 
 
+@record_io.traced_as_written
 def synthetic_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                       dtype: Optional[tf.DType] = None) -> tf.data.Dataset:
     """One fixed random batch repeated forever: measures the model without any input cost."""

@@ -78,6 +78,7 @@ def to_pixels(images):
 FILE_KEYS = 2 ** 24     # a record's key in distributed_epoch mode: file number * FILE_KEYS + its index in the file
 
 
+@record_io.traced_as_written
 def sharded_train_dataset(config, context=None, dtype=None, start_step: int = 0, epochs=None, log=print,
                           with_keys: bool = False):
     """The training batches of distributed_epoch mode, as the service's workers compute them.
@@ -126,6 +127,7 @@ def sharded_train_dataset(config, context=None, dtype=None, start_step: int = 0,
     return batches.with_options(input_pipeline.dataset_options(False, config.input_threads))
 
 
+@record_io.traced_as_written
 def train_dataset(config, context=None, start_step: int = 0, log=print):
     """The training batches of this input pipeline, computed by the service at config.data_service in
     config.data_service_mode and prefetched here."""
