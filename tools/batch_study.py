@@ -14,10 +14,11 @@ The rules of each optimizer (nothing is tuned per point):
   lars            square-root scaling anchored at the MLPerf v0.6 recipe (flags/tpu_v3_1024_bs32k.cfg: 31.2 at batch
                   32,768): 31.2 x sqrt(B / 32768), momentum 0.9, trust coefficient 0.001;
   rmsprop_warmup  Akiba et al. 2017 (flags/gpu_1024_bs32k_akiba.cfg): 0.1 x B / 256, RMSprop rate 3e-4, the switch to
-                  SGD centred at 10/90 of the budget over 5/90 of it (their 10 and 5 of 90 epochs);
-and for all: --warmup_fraction of the budget of linear warm-up (Goyal et al.: 5 of 90 epochs; default 0.1), then
-cosine decay, weight decay 5e-4 on kernels, the demo's augmentation. The schedule is the same for all three so
-that only the optimizer and its rate rule differ.
+                  SGD centred at 10/90 of the budget over 5/90 of it (their 10 and 5 of 90 epochs), and no linear
+                  warm-up of the rate (the source has none: the RMSprop phase is its warm-up);
+and for all: --warmup_fraction of the budget of linear warm-up for SGD and LARS (Goyal et al.: 5 of 90 epochs;
+default 0.1), then cosine decay, weight decay 5e-4 on kernels, the demo's augmentation. The decay is the same for
+all three so that only the optimizer, its rate rule and its warm-up differ.
 
 Outputs in OUTPUT_DIR: study.csv (one row per run), study.md (a table of the points: mean and spread over seeds),
 scaling.png (steps to the target against batch on log-log axes with the perfect-scaling line; beside it MLPerf's
@@ -41,7 +42,7 @@ import time
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 # MLPerf Training's reference convergence points for ResNet-50 (mlcommons/logging,
 # mlperf_logging/rcp_checker/training_4.0.0/rcps_resnet.json, commit 0a0a659): epochs to 75.9% top-1 of every
@@ -63,8 +64,8 @@ OPTIMIZERS = ('sgd', 'lars', 'rmsprop_warmup')
 BN_POINTS = (('group', 1, 'moving_average'), ('group', 2, 'moving_average'), ('group', 4, 'moving_average'),
              ('group', 8, 'moving_average'), ('statistics', 1, 'last_batch'), ('statistics', 1, 'reestimate'))
 FIELDS = ('part', 'name', 'optimizer', 'global_batch', 'replicas', 'bn_group_size', 'bn_statistics', 'seed',
-          'epochs', 'steps', 'steps_per_epoch', 'peak_learning_rate', 'top_1', 'epochs_to_target',
-          'steps_to_target', 'noise_scale', 'seconds')
+          'epochs', 'warmup_epochs', 'steps', 'steps_per_epoch', 'peak_learning_rate', 'top_1', 'epochs_to_target',
+          'steps_to_target', 'noise_scale', 'noise_scale_at_target', 'seconds')
 
 
 def define_flags():
@@ -84,7 +85,7 @@ def define_flags():
     flags.DEFINE_integer('num_train_images', 1438, 'Training images (the demo: 1,438).')
     flags.DEFINE_integer('num_eval_images', 359, 'Held-out images (the demo: 359).')
     flags.DEFINE_integer('bn_per_replica', 4, 'Per-replica batch of the batch-norm part (8 replicas).')
-    flags.DEFINE_bool('smoke', False, 'A tiny study (ResNet-10, 16 px, 2 epochs, 2 batches, SGD, groups 1 and 2, '
+    flags.DEFINE_bool('smoke', False, 'A tiny study (ResNet-10, 16 px, 2 epochs, 2 batches, SGD, groups of 2, '
                       'one seed): checks the tool, shows nothing.')
 
 
@@ -120,10 +121,10 @@ def points(f) -> list:
                         overrides.update(momentum=0.9, lars_eeta=0.001)
                     if optimizer == 'rmsprop_warmup':
                         overrides.update(rms_learning_rate=3e-4, alpha_sgd_center_epochs=f.epochs * 10 / 90,
-                                         alpha_sgd_period_epochs=f.epochs * 5 / 90)
+                                         alpha_sgd_period_epochs=f.epochs * 5 / 90, warmup_epochs=0.0)
                     found.append(('scaling', f'{optimizer}-b{batch}-s{seed}', overrides))
     if 'bn' in f.parts:
-        for kind, group, statistics_ in (BN_POINTS if not f.smoke else BN_POINTS[:2]):
+        for kind, group, statistics_ in (BN_POINTS if not f.smoke else BN_POINTS[1:2]):
             for seed in seeds:
                 replicas = 8 if not f.smoke else 2
                 found.append(('bn', f'bn-{kind}-g{group}-{statistics_}-s{seed}',
@@ -139,6 +140,33 @@ def held_out_curve(model_dir: str) -> list:
     import plot_metrics  # pylint: disable=import-outside-toplevel
     scalars = plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'validation'))
     return [(epoch + 1, value) for epoch, value in scalars.get('epoch_top_1', [])]
+
+
+def noise_scale_curve(model_dir: str) -> dict:
+    """{epoch: the run's smoothed gradient noise scale at its end}, from its TensorBoard training logs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plots'))
+    import plot_metrics  # pylint: disable=import-outside-toplevel
+    scalars = plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'train'))
+    return {epoch + 1: value for epoch, value in scalars.get('epoch_noise_scale', [])}
+
+
+def fit_knee(points_: list):
+    """McCandlish et al. 2018 (eq. 2.11): steps to a target S(B) = S_min (1 + B_crit / B), fitted to [(B, S)] by
+    least squares on the relative error (S - S_min - S_min B_crit / B) / S, linear in S_min and S_min B_crit.
+    {'steps_min', 'critical_batch', 'batches'}, or None with fewer than 3 batches or no knee in the range
+    (S_min <= 0: the steps still fall as fast as 1/B, or faster, at the largest batch; S_min B_crit <= 0: they do
+    not fall with the batch at all)."""
+    import numpy as np
+    if len({batch for batch, _ in points_}) < 3:
+        return None
+    batches = np.array([batch for batch, _ in points_], dtype=float)
+    steps = np.array([steps for _, steps in points_], dtype=float)
+    design = np.stack([np.ones_like(batches), 1 / batches], axis=1) / steps[:, None]
+    (steps_min, slope), *_ = np.linalg.lstsq(design, np.ones_like(steps), rcond=None)
+    if steps_min <= 1e-6 * steps.min() or slope <= 0:     # 1e-6: a pure 1/B curve fits S_min to round-off
+        return None
+    return {'steps_min': float(steps_min), 'critical_batch': float(slope / steps_min),
+            'batches': sorted({int(batch) for batch in batches})}
 
 
 def run_point(config, model_dir: str) -> dict:
@@ -160,34 +188,64 @@ def run_point(config, model_dir: str) -> dict:
     return results
 
 
-def row(part: str, name: str, config, results: dict, curve: list, target: float) -> dict:
+def row(part: str, name: str, config, results: dict, curve: list, target: float, noise: dict) -> dict:
     reached = next((epoch for epoch, top_1 in curve if top_1 >= target), None)
     return {'part': part, 'name': name, 'optimizer': config.optimizer, 'global_batch': config.global_batch_size,
             'replicas': config.num_cpu_devices, 'bn_group_size': config.bn_group_size,
             'bn_statistics': config.bn_inference_statistics, 'seed': config.seed, 'epochs': config.train_epochs,
+            'warmup_epochs': config.warmup_epochs,
             'steps': results.get('steps'), 'steps_per_epoch': config.steps_per_epoch,
             'peak_learning_rate': round(config.peak_learning_rate, 6), 'top_1': results.get('top_1'),
             'epochs_to_target': reached, 'steps_to_target': reached * config.steps_per_epoch if reached else None,
-            'noise_scale': results.get('noise_scale'), 'seconds': round(results.get('seconds', 0.0), 1)}
+            'noise_scale': results.get('noise_scale'),
+            'noise_scale_at_target': round(noise[reached], 1) if reached in noise else None,
+            'seconds': round(results.get('seconds', 0.0), 1)}
+
+
+def knees(rows: list) -> dict:
+    """{optimizer: fit_knee of its scaling runs that reached the target} (every seed a point of the fit)."""
+    found = {}
+    for optimizer in dict.fromkeys(item['optimizer'] for item in rows if item['part'] == 'scaling'):
+        fit = fit_knee([(item['global_batch'], item['steps_to_target']) for item in rows
+                        if item['part'] == 'scaling' and item['optimizer'] == optimizer and item['steps_to_target']])
+        if fit:
+            found[optimizer] = fit
+    return found
+
+
+def _spread(values: list, digits: int = 1) -> str:
+    """'mean (min-max)' of ``values``, or '' for none."""
+    if not values:
+        return ''
+    return f'{statistics.mean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})'
 
 
 def summarize(rows: list, target: float) -> str:
-    """The study's table: each point's mean and spread (min-max) over seeds."""
+    """The study's tables: each point's mean and spread (min-max) over seeds; the knee of each optimizer's
+    steps-to-target curve beside its noise scale."""
     groups = {}
     for item in rows:
         key = (item['part'], item['optimizer'], item['global_batch'], item['bn_group_size'], item['bn_statistics'])
         groups.setdefault(key, []).append(item)
     lines = [f'| part | optimizer | batch | BN group | BN statistics | held-out top-1 at the budget (mean, min-max) | '
-             f'steps to {100 * target:g}% (each seed) | noise scale (mean) |', '|---|---|---|---|---|---|---|---|']
+             f'steps to {100 * target:g}% (each seed) | noise scale at the end (mean) | noise scale when the target '
+             f'was reached (mean) |', '|---|---|---|---|---|---|---|---|---|']
     for (part, optimizer, batch, group, statistics_), items in groups.items():
-        tops = [100 * item['top_1'] for item in items]
         steps = ', '.join(str(item['steps_to_target']) if item['steps_to_target'] else 'not reached' for item in items)
         noise = [item['noise_scale'] for item in items if item['noise_scale'] is not None]
-        lines.append(f'| {part} | {optimizer} | {batch} | {group} | {statistics_} | {statistics.mean(tops):.1f} '
-                     f'({min(tops):.1f}-{max(tops):.1f}) | {steps} | '
-                     f'{statistics.mean(noise):.0f} |' if noise else
-                     f'| {part} | {optimizer} | {batch} | {group} | {statistics_} | {statistics.mean(tops):.1f} '
-                     f'({min(tops):.1f}-{max(tops):.1f}) | {steps} | |')
+        at_target = [item['noise_scale_at_target'] for item in items if item['noise_scale_at_target'] is not None]
+        means = [f'{statistics.mean(values):.0f}' if values else '' for values in (noise, at_target)]
+        lines.append(f'| {part} | {optimizer} | {batch} | {group} | {statistics_} | '
+                     f'{_spread([100 * item["top_1"] for item in items])} | {steps} | {means[0]} | {means[1]} |')
+    fits = knees(rows)
+    if fits:
+        lines += ['', f'| optimizer | batches fitted | S_min (steps) | critical batch, fitted | noise scale when '
+                  f'{100 * target:g}% was reached (mean, min-max) |', '|---|---|---|---|---|']
+        for optimizer, fit in fits.items():
+            at_target = [item['noise_scale_at_target'] for item in rows if item['optimizer'] == optimizer
+                         and item['part'] == 'scaling' and item['noise_scale_at_target'] is not None]
+            lines.append(f'| {optimizer} | {", ".join(map(str, fit["batches"]))} | {fit["steps_min"]:.1f} | '
+                         f'{fit["critical_batch"]:.0f} | {_spread(at_target, 0)} |')
     return '\n'.join(lines) + '\n'
 
 
@@ -198,6 +256,7 @@ def plot(rows: list, output_dir: str, target: float) -> list:
     import matplotlib.pyplot as plt
     written = []
     scaling = [item for item in rows if item['part'] == 'scaling']
+    fits = knees(rows)
     if scaling:
         figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
         for optimizer in sorted({item['optimizer'] for item in scaling}):
@@ -212,13 +271,20 @@ def plot(rows: list, output_dir: str, target: float) -> list:
                     errors_low.append(ys[-1] - min(steps))
                     errors_high.append(max(steps) - ys[-1])
             if xs:
-                left.errorbar(xs, ys, yerr=[errors_low, errors_high], marker='o', capsize=3, label=optimizer)
+                line, = left.errorbar(xs, ys, yerr=[errors_low, errors_high], marker='o', capsize=3,
+                                      label=optimizer).lines[:1]
                 left.plot(xs, [ys[0] * xs[0] / x for x in xs], ':', color='grey')
+                fit = fits.get(optimizer)
+                if fit:
+                    dense = [xs[0] * (xs[-1] / xs[0]) ** (i / 40) for i in range(41)]
+                    left.plot(dense, [fit['steps_min'] * (1 + fit['critical_batch'] / x) for x in dense], '--',
+                              color=line.get_color(), alpha=0.6,
+                              label=f'{optimizer}: S_min (1 + {fit["critical_batch"]:.0f} / B)')
         left.set_xscale('log', base=2)
         left.set_yscale('log')
         left.set_xlabel('global batch')
         left.set_ylabel(f'steps to {100 * target:g}% held-out top-1')
-        left.set_title('steps to target (dotted: perfect scaling)')
+        left.set_title('steps to target (dotted: perfect scaling; dashed: fitted knee)')
         left.legend()
         batches = sorted(MLPERF_EPOCHS)
         right.errorbar(batches, [statistics.median(MLPERF_EPOCHS[b]) for b in batches],
@@ -261,6 +327,7 @@ def plot(rows: list, output_dir: str, target: float) -> list:
 def main(argv):
     del argv
     f = flags.FLAGS
+    logging.set_verbosity(logging.WARNING)     # TensorFlow's checkpoint lines would drown the progress
     if f.smoke:
         f.depth, f.image_size, f.epochs, f.optimizers, f.seeds = 10, 16, 2, ['sgd'], ['1']
         if not f['batches'].present:
@@ -292,7 +359,8 @@ def main(argv):
             results = {'steps': None, 'top_1': float('nan')}
         if time.perf_counter() - begun > 1:
             ran += 1
-        rows.append(row(part, name, config, results, held_out_curve(model_dir), f.target))
+        rows.append(row(part, name, config, results, held_out_curve(model_dir), f.target,
+                        noise_scale_curve(model_dir)))
         elapsed = time.perf_counter() - started
         left = (elapsed / max(ran, 1)) * (len(grid) - index - 1) if ran else 0
         print(f'[{index + 1}/{len(grid)}] {name}: held-out top-1 {100 * rows[-1]["top_1"]:.1f}%, '

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -17,6 +18,37 @@ sys.path.insert(0, os.path.join(helpers.REPO, 'tools', 'plots'))
 import plot_metrics  # noqa: E402  pylint: disable=wrong-import-position
 
 TOOL = os.path.join(helpers.REPO, 'tools', 'batch_study.py')
+sys.path.insert(0, os.path.join(helpers.REPO, 'tools'))
+import batch_study  # noqa: E402  pylint: disable=wrong-import-position
+
+
+class KneeFitTest(tf.test.TestCase):
+    """The knee of steps against batch (McCandlish et al. 2018, eq. 2.11) recovered from curves of known form."""
+
+    def test_recovers_the_critical_batch_of_an_exact_curve_and_of_a_noisy_one(self):
+        batches = [32, 32, 64, 64, 128, 128, 256, 256, 512, 512]
+        exact = batch_study.fit_knee([(b, 90 * (1 + 150 / b)) for b in batches])
+        self.assertAllClose([exact['steps_min'], exact['critical_batch']], [90, 150], rtol=1e-9)
+        self.assertEqual(exact['batches'], [32, 64, 128, 256, 512])
+        rng = np.random.default_rng(0)
+        noisy = batch_study.fit_knee([(b, 90 * (1 + 150 / b) * rng.uniform(0.95, 1.05)) for b in batches])
+        self.assertAllClose(noisy['critical_batch'], 150, rtol=0.25)
+
+    def test_no_knee_where_steps_fall_as_fast_as_the_batch_grows_or_rise_or_too_few_batches(self):
+        self.assertIsNone(batch_study.fit_knee([(b, 4000 / b) for b in (32, 64, 128, 256)]))
+        self.assertIsNone(batch_study.fit_knee([(b, 4000 / b * (1 + 1e-9 * b)) for b in (32, 64, 128, 256)]))
+        self.assertIsNone(batch_study.fit_knee([(b, 50 + b / 8) for b in (32, 64, 128, 256)]))   # rising
+        self.assertIsNone(batch_study.fit_knee([(32, 100), (64, 60), (64, 62)]))
+
+    def test_the_table_names_each_fitted_knee(self):
+        rows = [dict(part='scaling', optimizer='sgd', global_batch=b, bn_group_size=1, bn_statistics='moving_average',
+                     top_1=0.9, steps_to_target=round(50 * (1 + 100 / b)), noise_scale=120.0,
+                     noise_scale_at_target=100.0 + b) for b in (32, 64, 128, 256)]
+        table = batch_study.summarize(rows, 0.9)
+        fit = batch_study.fit_knee([(item['global_batch'], item['steps_to_target']) for item in rows])
+        self.assertIn(f'| sgd | 32, 64, 128, 256 | {fit["steps_min"]:.1f} | {fit["critical_batch"]:.0f} | '
+                      '220 (132-356) |', table)
+        self.assertIn('| scaling | sgd | 64 | 1 | moving_average | 90.0 (90.0-90.0) | 128 | 120 | 164 |', table)
 
 
 @pytest.mark.slow
@@ -36,7 +68,7 @@ class BatchStudyTest(tf.test.TestCase):
         with open(os.path.join(output, 'study.csv')) as f:
             rows = list(csv.DictReader(f))
         self.assertEqual([row['name'] for row in rows],
-                         ['sgd-b8-s1', 'sgd-b16-s1', 'bn-group-g1-moving_average-s1', 'bn-group-g2-moving_average-s1'])
+                         ['sgd-b8-s1', 'sgd-b16-s1', 'bn-group-g2-moving_average-s1'])
         for row in rows:
             model_dir = os.path.join(output, 'runs', row['name'])
             with open(os.path.join(model_dir, 'results.json')) as f:
@@ -50,6 +82,10 @@ class BatchStudyTest(tf.test.TestCase):
             self.assertEqual(row['epochs_to_target'] or None, str(reached) if reached else None)
             if row['part'] == 'scaling':
                 self.assertAlmostEqual(float(row['noise_scale']), results['noise_scale'], places=3)
+                if reached:
+                    noise = dict(plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'train'))[
+                        'epoch_noise_scale'])
+                    self.assertAlmostEqual(float(row['noise_scale_at_target']), noise[reached - 1], places=1)
                 self.assertAlmostEqual(float(row['peak_learning_rate']), 0.1 * int(row['global_batch']) / 256)
         for name in ('study.md', 'scaling.png', 'bn.png'):
             self.assertTrue(os.path.getsize(os.path.join(output, name)) > 0, name)
