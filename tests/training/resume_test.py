@@ -1,4 +1,4 @@
-"""Runs that survive: kill -9 at a random moment and SIGTERM, each followed by the same command, end with the
+"""Runs that survive: kill -9 at a random moment, then SIGTERM, each followed by the same command, end with the
 same weights as an uninterrupted run; a damaged or half-written checkpoint is passed over; memory is steady.
 
 Real processes of the command line on a tiny ResNet (2 logical CPU replicas, 16x16 images), --deterministic.
@@ -67,6 +67,20 @@ def wait_for_checkpoint(process, model_dir, step):
         time.sleep(0.05)
 
 
+def wait_for_line(process, log_path, pattern):
+    """The first match of ``pattern`` in the log a running process writes."""
+    deadline = time.time() + TIMEOUT
+    while True:
+        with open(log_path) as f:
+            found = re.search(pattern, f.read())
+        if found:
+            return found
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise AssertionError(f'no line matching {pattern!r} (exit {process.poll()})')
+        time.sleep(0.05)
+
+
 def final_weights(model_dir) -> dict:
     """Every variable of the last checkpoint (network, BN statistics, optimizer slots and step)."""
     return helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
@@ -117,39 +131,40 @@ class ResumeTest(tf.test.TestCase):
         self.assertEqual(worst, 0.0, sorted(exact.items(), key=lambda item: -item[1])[:5])
         self.assertLess(max(moving.values()), 1e-5)
 
-    def test_kill_9_at_a_random_moment_then_the_same_command_ends_with_the_same_weights(self):
-        model_dir = os.path.join(self.root, 'killed')
-        log_path = os.path.join(self.root, 'killed.log')
-        process, log = start(self.data_dir, model_dir, log_path)
+    def test_kill_9_at_a_random_moment_then_sigterm_each_followed_by_the_same_command_end_with_the_same_weights(
+            self):
+        # One model_dir through both interruptions (each then the same command), so the run ends once: (1) kill -9
+        # at a random moment after the checkpoint of step 12; (2) the same command resumes, and gets SIGTERM after
+        # its checkpoint of step 24: it saves the step it is at and exits with 143; (3) the same command finishes.
+        model_dir = os.path.join(self.root, 'interrupted')
+        killed_log = os.path.join(self.root, 'killed.log')
+        process, log = start(self.data_dir, model_dir, killed_log)
         wait_for_checkpoint(process, model_dir, 12)
         time.sleep(random.Random(os.getpid()).uniform(0.0, 0.5))   # anywhere: mid-step, mid-save
         process.send_signal(signal.SIGKILL)
         process.wait(TIMEOUT)
         log.close()
-        with open(log_path) as f:
+        with open(killed_log) as f:
             reached = max(steps_printed(f.read()))
-        code, out, stderr = run(self.data_dir, model_dir)
-        self.assertEqual(code, 0, stderr[-3000:])
-        resumed = int(re.search(r'resumed from \S+ckpt-(\d+) at step (\d+)', out).group(2))
-        print(f'killed after step {reached}; resumed at step {resumed}: {reached - resumed} steps replayed')
-        self.assertBetween(reached - resumed, 0, 4 + 1)   # at most one checkpoint interval (and the step running)
-        self.assert_same_weights(model_dir)
 
-    def test_sigterm_saves_the_current_step_and_the_same_command_continues(self):
-        model_dir = os.path.join(self.root, 'preempted')
-        log_path = os.path.join(self.root, 'preempted.log')
-        process, log = start(self.data_dir, model_dir, log_path)
-        wait_for_checkpoint(process, model_dir, 8)
+        preempted_log = os.path.join(self.root, 'preempted.log')
+        process, log = start(self.data_dir, model_dir, preempted_log)
+        # Its own checkpoint two intervals after the step it resumed at (the killed run may have left ckpt-24).
+        resumed = int(wait_for_line(process, preempted_log, r'resumed from \S+ckpt-\d+ at step (\d+)').group(1))
+        wait_for_checkpoint(process, model_dir, max(24, resumed + 8))
         time.sleep(0.3)
         process.send_signal(signal.SIGTERM)
         self.assertEqual(process.wait(TIMEOUT), 143)
         log.close()
-        with open(log_path) as f:
+        with open(preempted_log) as f:
             text = f.read()
+        print(f'killed after step {reached}; resumed at step {resumed}: {reached - resumed} steps replayed')
+        self.assertBetween(reached - resumed, 0, 4 + 1)   # at most one checkpoint interval (and the step running)
         saved = int(re.search(r'SIGTERM: saved step (\d+)', text).group(1))
         self.assertIn(f'stopped by SIGTERM at step {saved}', text)
         self.assertEqual(latest_step(model_dir), saved)     # nothing lost: the step it was at is the checkpoint
         self.assertGreaterEqual(saved, max(steps_printed(text)))
+
         code, out, stderr = run(self.data_dir, model_dir)
         self.assertEqual(code, 0, stderr[-3000:])
         self.assertIn(f'at step {saved}', out)
