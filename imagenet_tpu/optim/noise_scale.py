@@ -11,7 +11,8 @@ norm of the global gradient, the unbiased estimates of their appendix A are
 
 Both are noisy step by step, so each is averaged over steps (an exponential moving average with ``decay``, bias
 corrected, as the paper advises: the ratio of the averages, not the average of ratios) before the ratio is taken.
-It needs at least two replicas (b < B).
+It needs at least two replicas (b < B). Where the averaged |G|^2 estimate is not positive, B_simple is reported as
+NaN (not resolved).
 """
 
 import tensorflow as tf
@@ -61,4 +62,9 @@ class GradientNoiseScale(tf.Module):
         correction = 1.0 - tf.pow(self.decay, tf.maximum(self.steps, 1.0))   # the averages' bias towards 0
         squared_gradient = self.squared_gradient / correction
         trace = self.trace / correction
-        return {'noise_scale': trace / squared_gradient, 'squared_gradient': squared_gradient, 'trace': trace}
+        # The |G|^2 estimate is a difference of two noisy norms: where the true gradient is small beside its noise
+        # (late in a run, with few replicas) its average can be 0 or negative, and B_simple is not resolved: NaN,
+        # not a negative or huge batch size.
+        unresolved = tf.constant(float('nan'), tf.float32)
+        noise_scale = tf.where(squared_gradient > 0, trace / tf.maximum(squared_gradient, 1e-30), unresolved)
+        return {'noise_scale': noise_scale, 'squared_gradient': squared_gradient, 'trace': trace}
