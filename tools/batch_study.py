@@ -169,23 +169,39 @@ def fit_knee(points_: list):
             'batches': sorted({int(batch) for batch in batches})}
 
 
-def run_point(config, model_dir: str) -> dict:
-    """Trains one point (resuming it if it was cut short) unless results.json says it is done; its results."""
-    from imagenet_tpu import train
-    import tf_keras as keras
+def finished(config, model_dir: str):
+    """The results of a point whose run ended (results.json of all its steps), else None."""
     path = os.path.join(model_dir, 'results.json')
     if os.path.exists(path):
         with open(path) as f:
             done = json.load(f)
         if done.get('steps') == config.train_steps:
             return done
+    return None
+
+
+def run_point(config, model_dir: str) -> dict:
+    """Trains one point (resuming it if it was cut short) unless it is finished; its results."""
+    from imagenet_tpu import train
+    import tf_keras as keras
+    done = finished(config, model_dir)
+    if done:
+        return done
     keras.backend.clear_session()
     started = time.perf_counter()
     results = train.train_and_evaluate(dataclasses.replace(config, model_dir=model_dir), print_fn=lambda line: None)
     results['seconds'] = time.perf_counter() - started
-    with open(path, 'w') as f:
+    with open(os.path.join(model_dir, 'results.json'), 'w') as f:
         json.dump(results, f)
     return results
+
+
+def resolved(noise_scale):
+    """A noise scale the estimate resolved (positive, finite), rounded; None for NaN or a non-positive value (the
+    averaged |G|^2 estimate was not positive: optim/noise_scale.py)."""
+    if noise_scale is None or not math.isfinite(noise_scale) or noise_scale <= 0:
+        return None
+    return round(noise_scale, 1)
 
 
 def row(part: str, name: str, config, results: dict, curve: list, target: float, noise: dict) -> dict:
@@ -197,8 +213,8 @@ def row(part: str, name: str, config, results: dict, curve: list, target: float,
             'steps': results.get('steps'), 'steps_per_epoch': config.steps_per_epoch,
             'peak_learning_rate': round(config.peak_learning_rate, 6), 'top_1': results.get('top_1'),
             'epochs_to_target': reached, 'steps_to_target': reached * config.steps_per_epoch if reached else None,
-            'noise_scale': results.get('noise_scale'),
-            'noise_scale_at_target': round(noise[reached], 1) if reached in noise else None,
+            'noise_scale': resolved(results.get('noise_scale')),
+            'noise_scale_at_target': resolved(noise.get(reached)),
             'seconds': round(results.get('seconds', 0.0), 1)}
 
 
@@ -235,6 +251,8 @@ def summarize(rows: list, target: float) -> str:
         noise = [item['noise_scale'] for item in items if item['noise_scale'] is not None]
         at_target = [item['noise_scale_at_target'] for item in items if item['noise_scale_at_target'] is not None]
         means = [f'{statistics.mean(values):.0f}' if values else '' for values in (noise, at_target)]
+        if part == 'scaling' and len(noise) < len(items):      # the estimate of some runs was not resolved
+            means[0] = f'{means[0]} ({len(items) - len(noise)} of {len(items)} not resolved)'.lstrip()
         lines.append(f'| {part} | {optimizer} | {batch} | {group} | {statistics_} | '
                      f'{_spread([100 * item["top_1"] for item in items])} | {steps} | {means[0]} | {means[1]} |')
     fits = knees(rows)
@@ -344,10 +362,13 @@ def main(argv):
     os.makedirs(os.path.join(f.output_dir, 'runs'), exist_ok=True)
     base = base_config(f, f.data_dir)
     grid = points(f)
-    rows, started, ran = [], time.perf_counter(), 0
-    for index, (part, name, overrides) in enumerate(grid):
-        config = dataclasses.replace(base, **overrides)
-        model_dir = os.path.join(f.output_dir, 'runs', name)
+    configs = [dataclasses.replace(base, **overrides) for _, _, overrides in grid]
+    model_dirs = [os.path.join(f.output_dir, 'runs', name) for _, name, _ in grid]
+    # The ETA: seconds per replica-step of the points trained so far, times the replica-steps of the points not done.
+    work = [0 if finished(config, model_dir) else config.train_steps * config.num_cpu_devices
+            for config, model_dir in zip(configs, model_dirs)]
+    rows, started, trained_seconds, trained_work = [], time.perf_counter(), 0.0, 0
+    for index, ((part, name, _), config, model_dir) in enumerate(zip(grid, configs, model_dirs)):
         begun = time.perf_counter()
         try:
             results = run_point(config, model_dir)
@@ -357,12 +378,13 @@ def main(argv):
         except RunError as error:     # a point that fails (a diverged run, say) is a row of its own
             print(f'{name}: {error}', flush=True)
             results = {'steps': None, 'top_1': float('nan')}
-        if time.perf_counter() - begun > 1:
-            ran += 1
+        if work[index]:
+            trained_seconds += time.perf_counter() - begun
+            trained_work += work[index]
         rows.append(row(part, name, config, results, held_out_curve(model_dir), f.target,
                         noise_scale_curve(model_dir)))
         elapsed = time.perf_counter() - started
-        left = (elapsed / max(ran, 1)) * (len(grid) - index - 1) if ran else 0
+        left = trained_seconds / trained_work * sum(work[index + 1:]) if trained_work else 0.0
         print(f'[{index + 1}/{len(grid)}] {name}: held-out top-1 {100 * rows[-1]["top_1"]:.1f}%, '
               f'{rows[-1]["steps_to_target"] or "no"} steps to {100 * f.target:g}%'
               + (f', noise scale {rows[-1]["noise_scale"]:.0f}' if rows[-1]['noise_scale'] is not None else '')

@@ -81,11 +81,15 @@ class BatchStudyTest(tf.test.TestCase):
             reached = next((epoch + 1 for epoch, top_1 in curve if top_1 >= 0.3), None)
             self.assertEqual(row['epochs_to_target'] or None, str(reached) if reached else None)
             if row['part'] == 'scaling':
-                self.assertAlmostEqual(float(row['noise_scale']), results['noise_scale'], places=3)
+                expected = results.get('noise_scale')       # None where the run's estimate was not resolved
+                if expected is not None and expected > 0:
+                    self.assertAlmostEqual(float(row['noise_scale']), expected, places=1)
+                else:
+                    self.assertEqual(row['noise_scale'], '')
                 if reached:
                     noise = dict(plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'train'))[
-                        'epoch_noise_scale'])
-                    self.assertAlmostEqual(float(row['noise_scale_at_target']), noise[reached - 1], places=1)
+                        'epoch_noise_scale'])[reached - 1]
+                    self.assertEqual(row['noise_scale_at_target'], f'{round(noise, 1)}' if noise > 0 else '')
                 self.assertAlmostEqual(float(row['peak_learning_rate']), 0.1 * int(row['global_batch']) / 256)
         for name in ('study.md', 'scaling.png', 'bn.png'):
             self.assertTrue(os.path.getsize(os.path.join(output, name)) > 0, name)
