@@ -384,11 +384,15 @@ def main(argv):
         rows.append(row(part, name, config, results, held_out_curve(model_dir), f.target,
                         noise_scale_curve(model_dir)))
         elapsed = time.perf_counter() - started
-        left = trained_seconds / trained_work * sum(work[index + 1:]) if trained_work else 0.0
+        to_do = sum(work[index + 1:])
+        if trained_work or not to_do:
+            eta = f'ETA {(trained_seconds / trained_work * to_do if to_do else 0.0) / 60:.1f} min'
+        else:
+            eta = 'ETA after the first point trained'
         print(f'[{index + 1}/{len(grid)}] {name}: held-out top-1 {100 * rows[-1]["top_1"]:.1f}%, '
               f'{rows[-1]["steps_to_target"] or "no"} steps to {100 * f.target:g}%'
               + (f', noise scale {rows[-1]["noise_scale"]:.0f}' if rows[-1]['noise_scale'] is not None else '')
-              + f'; {elapsed / 60:.1f} min so far, ETA {left / 60:.1f} min', flush=True)
+              + f'; {elapsed / 60:.1f} min so far, {eta}', flush=True)
     with open(os.path.join(f.output_dir, 'study.csv'), 'w', newline='') as out:
         writer = csv.DictWriter(out, FIELDS)
         writer.writeheader()
