@@ -41,6 +41,7 @@ import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plots'))   # plot_metrics
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -134,20 +135,22 @@ def points(f) -> list:
     return found
 
 
+def epoch_scalars(model_dir: str, split: str, tag: str) -> list:
+    """[(epoch, value)] of one of a run's per-epoch TensorBoard scalars (epochs from 1), from its logs of ``split``
+    ('train' or 'validation')."""
+    import plot_metrics  # pylint: disable=import-outside-toplevel
+    scalars = plot_metrics.read_scalars(os.path.join(model_dir, 'logs', split))
+    return [(epoch + 1, value) for epoch, value in scalars.get(tag, [])]
+
+
 def held_out_curve(model_dir: str) -> list:
     """[(epoch, held-out top-1)] of a run, from its TensorBoard validation logs."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plots'))
-    import plot_metrics  # pylint: disable=import-outside-toplevel
-    scalars = plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'validation'))
-    return [(epoch + 1, value) for epoch, value in scalars.get('epoch_top_1', [])]
+    return epoch_scalars(model_dir, 'validation', 'epoch_top_1')
 
 
 def noise_scale_curve(model_dir: str) -> dict:
     """{epoch: the run's smoothed gradient noise scale at its end}, from its TensorBoard training logs."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), 'plots'))
-    import plot_metrics  # pylint: disable=import-outside-toplevel
-    scalars = plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'train'))
-    return {epoch + 1: value for epoch, value in scalars.get('epoch_noise_scale', [])}
+    return dict(epoch_scalars(model_dir, 'train', 'epoch_noise_scale'))
 
 
 def fit_knee(points_: list):
