@@ -75,10 +75,19 @@ def check_labels(path: str, num_classes: int, label_offset: int, fatal_errors: b
     ``fatal_errors`` (bad_records='fatal') are an error here already. The shard's layout is its folder's."""
     low, high = label_offset, label_offset + num_classes
     layout = tfrecord.layout_of(os.path.dirname(path))
-    iterator = iter(tf.data.TFRecordDataset(path).take(records))
+    try:    # all at once (one read, one traced parse): a shard whose records all read and parse, the usual case
+        labels = layout.label_parser(batched=True)(
+            tf.data.TFRecordDataset(path).take(records).batch(records).get_single_element()).numpy()
+    except (tf.errors.OpError, ValueError):   # a bad record, a truncated file, no file, no records: one at a time
+        labels = None
+    if labels is not None:
+        for label in labels:
+            _check_label(int(label), low, high, path, layout, num_classes, label_offset)
+        return
+    iterator, parse = iter(tf.data.TFRecordDataset(path).take(records)), layout.label_parser()
     for index in range(records):
         try:
-            label = int(layout.parse(next(iterator))['label'])
+            label = int(parse(next(iterator)))
         except StopIteration:
             return
         except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
@@ -90,12 +99,16 @@ def check_labels(path: str, num_classes: int, label_offset: int, fatal_errors: b
             continue
         except tf.errors.OpError as error:     # a file that cannot be opened (a dangling link, permissions)
             raise DataError(f'cannot read {path} ({type(error).__name__})') from None
-        if not low <= label < high:
-            read_as = f' (tensorflow_datasets label {label - 1}, read as {label})' if layout.tfds else ''
-            raise DataError(
-                f'{path}: on-disk label {label}{read_as} is outside [{low}, {high}) given --num_classes={num_classes}'
-                f' and --label_offset={label_offset} (ImageNet shards store 1..1000, and tensorflow_datasets\'s'
-                ' 0..999 are read as 1..1000: num_classes=1000, label_offset=1)')
+        _check_label(label, low, high, path, layout, num_classes, label_offset)
+
+
+def _check_label(label: int, low: int, high: int, path: str, layout, num_classes: int, label_offset: int) -> None:
+    if not low <= label < high:
+        read_as = f' (tensorflow_datasets label {label - 1}, read as {label})' if layout.tfds else ''
+        raise DataError(
+            f'{path}: on-disk label {label}{read_as} is outside [{low}, {high}) given --num_classes={num_classes}'
+            f' and --label_offset={label_offset} (ImageNet shards store 1..1000, and tensorflow_datasets\'s'
+            ' 0..999 are read as 1..1000: num_classes=1000, label_offset=1)')
 
 
 class SkipCounts:

@@ -110,12 +110,29 @@ class Layout(NamedTuple):
                 'boxes': tf.zeros([0, 4]),
                 'filename': features['file_name']}
 
+    def label_parser(self, batched: bool = False):
+        """A traced function: one serialized record -> its on-disk label (int32), as ``parse`` reads it, or with
+        ``batched`` a vector of records -> their labels. Traced once per layout kind, so reading many labels costs
+        one call (or one call a batch) instead of parse's eager ops (~8 ms a record)."""
+        return _label_parser(self.tfds, self.image_key, self.label_key, batched)
+
     def class_names_path(self, data_dir: str) -> Optional[str]:
         """tensorflow_datasets' class-name file of the label feature (one name per line, label 0 first)."""
         return os.path.join(data_dir, f'{self.label_key}.labels.txt') if self.tfds else None
 
 
 IMAGENET_LAYOUT = Layout()
+
+
+@functools.lru_cache(maxsize=8)
+def _label_parser(tfds: bool, image_key: str, label_key: str, batched: bool):
+    layout = Layout(tfds=tfds, image_key=image_key, label_key=label_key)
+    if batched:
+        return tf.function(lambda serialized: tf.map_fn(lambda one: layout.parse(one)['label'], serialized,
+                                                        fn_output_signature=tf.int32),
+                           input_signature=[tf.TensorSpec([None], tf.string)], autograph=False)
+    return tf.function(lambda serialized: layout.parse(serialized)['label'],
+                       input_signature=[tf.TensorSpec([], tf.string)], autograph=False)
 
 
 def layout_of(data_dir: Optional[str]) -> Layout:
@@ -235,4 +252,5 @@ def write_shard(path: str, examples: Iterable[tf.train.Example]) -> int:
 def read_labels(path: str) -> list:
     """On-disk labels of every record in one shard, in order (used by tests and checks)."""
     layout = layout_of(os.path.dirname(path))
-    return [int(layout.parse(record)['label']) for record in tf.data.TFRecordDataset(path)]
+    return [int(label) for batch in tf.data.TFRecordDataset(path).batch(1024)
+            for label in layout.label_parser(batched=True)(batch).numpy()]

@@ -201,6 +201,25 @@ class InputPipelineTest(tf.test.TestCase):
         self.assertEqual(np.sum(weights), 15)
         self.assertEqual(counts.totals(), {'bad_records': 5, 'truncated_files': 0})
 
+    def test_the_label_check_reads_every_label_and_names_an_unreadable_record(self):
+        # The check parses a shard's first records in one call; one record it cannot parse makes it read them one
+        # at a time: skipped (bad_records=skip), or an error naming that record (fatal); a label outside the range
+        # after it is still found.
+        path = os.path.join(self.get_temp_dir(), 'train-00000-of-00001')
+        good = lambda label: tfrecord.make_example(b'not a jpeg', label, 8, 8).SerializeToString()
+        with tf.io.TFRecordWriter(path) as writer:
+            for record in (good(1), good(2), b'not a record', good(3), good(7)):
+                writer.write(record)
+        self.assertEqual(tfrecord.read_labels(os.path.join(self.data_dir, 'train-00003-of-00004')),
+                         [int(tf.train.Example.FromString(record.numpy()).features.feature['image/class/label']
+                              .int64_list.value[0]) for record in
+                          tf.data.TFRecordDataset(os.path.join(self.data_dir, 'train-00003-of-00004'))])
+        record_io.check_labels(path, num_classes=7, label_offset=1, fatal_errors=False, records=4)
+        with self.assertRaisesRegex(errors.DataError, r'on-disk label 7 is outside \[1, 5\)'):
+            record_io.check_labels(path, num_classes=4, label_offset=1, fatal_errors=False)
+        with self.assertRaisesRegex(errors.DataError, 'bad input record: .*record 2 cannot be read'):
+            record_io.check_labels(path, num_classes=7, label_offset=1, fatal_errors=True)
+
     def test_missing_and_empty_data_dir(self):
         with self.assertRaisesRegex(errors.DataError, 'does not exist'):
             record_io.list_shards(os.path.join(self.data_dir, 'nope'), 'train')
