@@ -77,11 +77,14 @@ def define_flags():
     flags.DEFINE_list('optimizers', list(OPTIMIZERS), 'Optimizers of the scaling part.')
     flags.DEFINE_list('seeds', ['1', '2'], 'Seeds of every point.')
     flags.DEFINE_list('parts', ['scaling', 'bn'], 'Which parts to run.')
-    flags.DEFINE_float('epochs', 10, 'Epoch budget of every run.')
+    flags.DEFINE_float('epochs', 10, 'Epoch budget of every run of the scaling part.')
+    flags.DEFINE_float('bn_epochs', 5, 'Epoch budget of every run of the batch-norm part.')
     flags.DEFINE_float('warmup_fraction', 0.1, 'Share of the budget of linear warm-up.')
     flags.DEFINE_float('target', 0.9, 'Held-out top-1 whose first reaching counts the steps and epochs.')
-    flags.DEFINE_integer('depth', 18, 'ResNet depth.')
-    flags.DEFINE_integer('image_size', 32, 'Network input side (the demo stores 32 px).')
+    flags.DEFINE_integer('depth', 10, 'ResNet depth (10: the whole default study in about an hour on 2 cores; '
+                         'docs/benchmarks.md also has a ResNet-18 study).')
+    flags.DEFINE_integer('image_size', 16, 'Network input side (the demo stores 32 px; at 16 px the differences '
+                         'between the optimizers exceed the spread over seeds at 10 epochs).')
     flags.DEFINE_integer('num_classes', 10, 'Classes.')
     flags.DEFINE_integer('num_train_images', 1438, 'Training images (the demo: 1,438).')
     flags.DEFINE_integer('num_eval_images', 359, 'Held-out images (the demo: 359).')
@@ -130,6 +133,7 @@ def points(f) -> list:
                 replicas = 8 if not f.smoke else 2
                 found.append(('bn', f'bn-{kind}-g{group}-{statistics_}-s{seed}',
                               dict(optimizer='sgd', global_batch_size=f.bn_per_replica * replicas,
+                                   train_epochs=f.bn_epochs, warmup_epochs=f.warmup_fraction * f.bn_epochs,
                                    num_cpu_devices=replicas, bn_group_size=group, bn_inference_statistics=statistics_,
                                    learning_rate=peak_rate('sgd', f.bn_per_replica * replicas), seed=seed)))
     return found
@@ -199,6 +203,30 @@ def run_point(config, model_dir: str) -> dict:
     return results
 
 
+def eta_seconds(trained: list, to_do: list) -> float:
+    """Seconds the points of ``to_do`` [(part, steps)] will take, from the points of ``trained`` [(part, steps,
+    seconds)]: per part, seconds = a + b x steps fitted to its trained points (a: start-up, evaluations and the
+    part's images, the same at every batch; b: a step's fixed cost), a mean per point where the steps do not vary
+    (or the fit is not positive), and the other parts' points where a part has none trained yet."""
+    import numpy as np
+    total = 0.0
+    for part in dict.fromkeys(part for part, _ in to_do):
+        points_ = [(steps, seconds) for trained_part, steps, seconds in trained if trained_part == part]
+        if not points_:
+            points_ = [(steps, seconds) for _, steps, seconds in trained]
+        steps = np.array([steps for steps, _ in points_], dtype=float)
+        seconds = np.array([seconds for _, seconds in points_], dtype=float)
+        remaining = np.array([steps_ for part_, steps_ in to_do if part_ == part], dtype=float)
+        if len(set(steps)) >= 2:
+            (start, per_step), *_ = np.linalg.lstsq(np.stack([np.ones_like(steps), steps], axis=1), seconds,
+                                                    rcond=None)
+            if start >= 0 and per_step >= 0:
+                total += float(np.sum(start + per_step * remaining))
+                continue
+        total += float(seconds.mean()) * len(remaining)
+    return total
+
+
 def resolved(noise_scale):
     """A noise scale the estimate resolved (positive, finite), rounded; None for NaN or a non-positive value (the
     averaged |G|^2 estimate was not positive: optim/noise_scale.py)."""
@@ -209,13 +237,15 @@ def resolved(noise_scale):
 
 def row(part: str, name: str, config, results: dict, curve: list, target: float, noise: dict) -> dict:
     reached = next((epoch for epoch, top_1 in curve if top_1 >= target), None)
+    steps = reached * config.steps_per_epoch if reached else None    # Keras's epochs are config.steps_per_epoch steps
     return {'part': part, 'name': name, 'optimizer': config.optimizer, 'global_batch': config.global_batch_size,
             'replicas': config.num_cpu_devices, 'bn_group_size': config.bn_group_size,
             'bn_statistics': config.bn_inference_statistics, 'seed': config.seed, 'epochs': config.train_epochs,
             'warmup_epochs': config.warmup_epochs,
             'steps': results.get('steps'), 'steps_per_epoch': config.steps_per_epoch,
             'peak_learning_rate': round(config.peak_learning_rate, 6), 'top_1': results.get('top_1'),
-            'epochs_to_target': reached, 'steps_to_target': reached * config.steps_per_epoch if reached else None,
+            'epochs_to_target': round(steps * config.global_batch_size / config.num_train_images, 2) if steps else None,
+            'steps_to_target': steps,
             'noise_scale': resolved(results.get('noise_scale')),
             'noise_scale_at_target': resolved(noise.get(reached)),
             'seconds': round(results.get('seconds', 0.0), 1)}
@@ -350,7 +380,7 @@ def main(argv):
     f = flags.FLAGS
     logging.set_verbosity(logging.WARNING)     # TensorFlow's checkpoint lines would drown the progress
     if f.smoke:
-        f.depth, f.image_size, f.epochs, f.optimizers, f.seeds = 10, 16, 2, ['sgd'], ['1']
+        f.depth, f.image_size, f.epochs, f.bn_epochs, f.optimizers, f.seeds = 10, 16, 2, 2, ['sgd'], ['1']
         if not f['batches'].present:
             f.batches = ['32', '64']
     from imagenet_tpu import runtime
@@ -367,10 +397,9 @@ def main(argv):
     grid = points(f)
     configs = [dataclasses.replace(base, **overrides) for _, _, overrides in grid]
     model_dirs = [os.path.join(f.output_dir, 'runs', name) for _, name, _ in grid]
-    # The ETA: seconds per replica-step of the points trained so far, times the replica-steps of the points not done.
-    work = [0 if finished(config, model_dir) else config.train_steps * config.num_cpu_devices
-            for config, model_dir in zip(configs, model_dirs)]
-    rows, started, trained_seconds, trained_work = [], time.perf_counter(), 0.0, 0
+    # The ETA (eta_seconds): from the times of the points trained in this call, for the points not finished.
+    pending = [not finished(config, model_dir) for config, model_dir in zip(configs, model_dirs)]
+    rows, started, trained = [], time.perf_counter(), []
     for index, ((part, name, _), config, model_dir) in enumerate(zip(grid, configs, model_dirs)):
         begun = time.perf_counter()
         try:
@@ -381,15 +410,15 @@ def main(argv):
         except RunError as error:     # a point that fails (a diverged run, say) is a row of its own
             print(f'{name}: {error}', flush=True)
             results = {'steps': None, 'top_1': float('nan')}
-        if work[index]:
-            trained_seconds += time.perf_counter() - begun
-            trained_work += work[index]
+        if pending[index]:
+            trained.append((part, config.train_steps, time.perf_counter() - begun))
         rows.append(row(part, name, config, results, held_out_curve(model_dir), f.target,
                         noise_scale_curve(model_dir)))
         elapsed = time.perf_counter() - started
-        to_do = sum(work[index + 1:])
-        if trained_work or not to_do:
-            eta = f'ETA {(trained_seconds / trained_work * to_do if to_do else 0.0) / 60:.1f} min'
+        to_do = [(grid[later][0], configs[later].train_steps) for later in range(index + 1, len(grid))
+                 if pending[later]]
+        if trained or not to_do:
+            eta = f'ETA {(eta_seconds(trained, to_do) if to_do else 0.0) / 60:.1f} min'
         else:
             eta = 'ETA after the first point trained'
         print(f'[{index + 1}/{len(grid)}] {name}: held-out top-1 {100 * rows[-1]["top_1"]:.1f}%, '

@@ -52,6 +52,22 @@ class KneeFitTest(tf.test.TestCase):
 
 
 @pytest.mark.slow
+class EtaTest(tf.test.TestCase):
+    """The study's ETA against fake timings of a known form."""
+
+    def test_start_up_and_step_costs_are_fitted_per_part(self):
+        # Scaling points take 30 s + 0.2 s a step; batch-norm points (one step count) 150 s each.
+        trained = [('scaling', steps, 30 + 0.2 * steps) for steps in (449, 225, 112)] + [('bn', 225, 150.0)]
+        to_do = [('scaling', 56), ('scaling', 28), ('bn', 225), ('bn', 225)]
+        self.assertAlmostEqual(batch_study.eta_seconds(trained, to_do), 30 + 0.2 * 56 + 30 + 0.2 * 28 + 2 * 150)
+        # A part with nothing trained yet: the fit of the other parts' points.
+        self.assertAlmostEqual(batch_study.eta_seconds(trained[:2], [('bn', 225)]), 30 + 0.2 * 225)
+        self.assertAlmostEqual(batch_study.eta_seconds(trained[:1], [('bn', 225)]), 30 + 0.2 * 449)
+        # Times that fall with the steps (a fit with a negative slope): the part's mean per point instead.
+        self.assertAlmostEqual(batch_study.eta_seconds([('scaling', 10, 50.0), ('scaling', 20, 40.0)],
+                                                       [('scaling', 30)]), 45.0)
+
+
 class BatchStudyTest(tf.test.TestCase):
 
     def test_smoke_study_reports_what_its_runs_did_and_resumes(self):
@@ -79,7 +95,11 @@ class BatchStudyTest(tf.test.TestCase):
             curve = plot_metrics.read_scalars(os.path.join(model_dir, 'logs', 'validation'))['epoch_top_1']
             self.assertLen(curve, 2)                      # evaluated after each of the 2 epochs
             reached = next((epoch + 1 for epoch, top_1 in curve if top_1 >= 0.3), None)
-            self.assertEqual(row['epochs_to_target'] or None, str(reached) if reached else None)
+            if reached:     # data epochs: the steps' images over the training images (48)
+                self.assertAlmostEqual(float(row['epochs_to_target']),
+                                       reached * int(row['steps_per_epoch']) * int(row['global_batch']) / 48, places=2)
+            else:
+                self.assertEqual(row['epochs_to_target'], '')
             if row['part'] == 'scaling':
                 expected = results.get('noise_scale')       # None where the run's estimate was not resolved
                 if expected is not None and expected > 0:
