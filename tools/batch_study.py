@@ -81,8 +81,8 @@ def define_flags():
     flags.DEFINE_float('bn_epochs', 5, 'Epoch budget of every run of the batch-norm part.')
     flags.DEFINE_float('warmup_fraction', 0.1, 'Share of the budget of linear warm-up.')
     flags.DEFINE_float('target', 0.9, 'Held-out top-1 whose first reaching counts the steps and epochs.')
-    flags.DEFINE_integer('depth', 10, 'ResNet depth (10: the whole default study in about an hour on 2 cores; '
-                         'docs/benchmarks.md also has a ResNet-18 study).')
+    flags.DEFINE_integer('depth', 10, 'ResNet depth (docs/benchmarks.md: the default study at 10 and its time, and '
+                         'a slower study at 18).')
     flags.DEFINE_integer('image_size', 16, 'Network input side (the demo stores 32 px; at 16 px the differences '
                          'between the optimizers exceed the spread over seeds at 10 epochs).')
     flags.DEFINE_integer('num_classes', 10, 'Classes.')
