@@ -27,11 +27,13 @@ normalizes over).
 
     python tools/data/make_demo_data.py --output_dir data/demo
     python tools/batch_study.py --data_dir data/demo --output_dir runs/batch_study
+    python tools/batch_study.py --data_dir data/demo --output_dir runs/batch_study --points=lars-b256-s1  # one point
     python tools/batch_study.py --smoke --data_dir data/demo --output_dir /tmp/study     # a few seconds a point
 """
 
 import csv
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -89,6 +91,8 @@ def define_flags():
     flags.DEFINE_integer('num_train_images', 1438, 'Training images (the demo: 1,438).')
     flags.DEFINE_integer('num_eval_images', 359, 'Held-out images (the demo: 359).')
     flags.DEFINE_integer('bn_per_replica', 4, 'Per-replica batch of the batch-norm part (8 replicas).')
+    flags.DEFINE_list('points', [], 'Only the points whose names match one of these shell patterns (the names of '
+                      'study.csv, e.g. lars-b256-s1 or "bn-*-s2"); the CSV, table and plots then hold those alone.')
     flags.DEFINE_bool('smoke', False, 'A tiny study (ResNet-10, 16 px, 2 epochs, 2 batches, SGD, groups of 2, '
                       'one seed): checks the tool, shows nothing.')
 
@@ -136,6 +140,8 @@ def points(f) -> list:
                                    train_epochs=f.bn_epochs, warmup_epochs=f.warmup_fraction * f.bn_epochs,
                                    num_cpu_devices=replicas, bn_group_size=group, bn_inference_statistics=statistics_,
                                    learning_rate=peak_rate('sgd', f.bn_per_replica * replicas), seed=seed)))
+    if f.points:
+        found = [point for point in found if any(fnmatch.fnmatchcase(point[1], pattern) for pattern in f.points)]
     return found
 
 
@@ -395,6 +401,9 @@ def main(argv):
     os.makedirs(os.path.join(f.output_dir, 'runs'), exist_ok=True)
     base = base_config(f, f.data_dir)
     grid = points(f)
+    if not grid:
+        print(f'error: no point of the study matches --points={",".join(f.points)}', file=sys.stderr)
+        return 2
     configs = [dataclasses.replace(base, **overrides) for _, _, overrides in grid]
     model_dirs = [os.path.join(f.output_dir, 'runs', name) for _, name, _ in grid]
     # The ETA (eta_seconds): from the times of the points trained in this call, for the points not finished.

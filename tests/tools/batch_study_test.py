@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import types
 
 import numpy as np
 import pytest
@@ -49,6 +50,20 @@ class KneeFitTest(tf.test.TestCase):
         self.assertIn(f'| sgd | 32, 64, 128, 256 | {fit["steps_min"]:.1f} | {fit["critical_batch"]:.0f} | '
                       '220 (132-356) |', table)
         self.assertIn('| scaling | sgd | 64 | 1 | moving_average | 90.0 (90.0-90.0) | 128 | 120 | 164 |', table)
+
+
+class PointsTest(tf.test.TestCase):
+    """--points: the grid's points whose names match a pattern, in the grid's order."""
+
+    def test_patterns_select_points_by_name(self):
+        settings = dict(seeds=['1', '2'], parts=['scaling', 'bn'], optimizers=['sgd', 'lars'], batches=['32', '64'],
+                        epochs=10, bn_epochs=5, warmup_fraction=0.1, bn_per_replica=4, smoke=False)
+        every = [name for _, name, _ in batch_study.points(types.SimpleNamespace(points=[], **settings))]
+        self.assertLen(every, 2 * 2 * 2 + len(batch_study.BN_POINTS) * 2)
+        chosen = batch_study.points(types.SimpleNamespace(points=['lars-b64-s1', 'bn-*-s2'], **settings))
+        self.assertEqual([name for _, name, _ in chosen],
+                         ['lars-b64-s1'] + [name for name in every if name.startswith('bn-') and name.endswith('-s2')])
+        self.assertEqual(batch_study.points(types.SimpleNamespace(points=['nothing'], **settings)), [])
 
 
 @pytest.mark.slow
