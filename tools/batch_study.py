@@ -398,12 +398,12 @@ def main(argv):
         print(f'error: --data_dir {f.data_dir} does not exist (python tools/data/make_demo_data.py --output_dir '
               f'{f.data_dir})', file=sys.stderr)
         return 2
-    os.makedirs(os.path.join(f.output_dir, 'runs'), exist_ok=True)
-    base = base_config(f, f.data_dir)
     grid = points(f)
     if not grid:
         print(f'error: no point of the study matches --points={",".join(f.points)}', file=sys.stderr)
         return 2
+    os.makedirs(os.path.join(f.output_dir, 'runs'), exist_ok=True)
+    base = base_config(f, f.data_dir)
     configs = [dataclasses.replace(base, **overrides) for _, _, overrides in grid]
     model_dirs = [os.path.join(f.output_dir, 'runs', name) for _, name, _ in grid]
     # The ETA (eta_seconds): from the times of the points trained in this call, for the points not finished.
