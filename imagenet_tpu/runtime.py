@@ -10,6 +10,11 @@
   NVIDIA driver, logs `E ... cuda_platform.cc:51] failed call to cuInit: ...` when it first lists its devices:
   an error line that only says there is no GPU. import_tensorflow holds that line (and the matching "Could not
   find cuda drivers" notice) back where no NVIDIA driver is loaded, and passes every other line on.
+- Keras 2 as tf.keras (use_legacy_keras). The package's Keras is tf-keras (`import tf_keras as keras`); TensorFlow
+  2.20's tf.keras is Keras 3 unless TF_USE_LEGACY_KERAS is set, and TensorFlow imports Keras 3's optimizers as it is
+  itself imported, about 1 s of every start of a process (docs/benchmarks.md X24), to register them for SavedModels.
+  With the variable set, tf.keras is tf-keras, the Keras the package's models are made of, and TensorFlow registers
+  tf-keras's optimizers instead. A value the user has set is left alone.
 - glibc's malloc arenas (limit_malloc_arenas).
 
 Nothing here imports TensorFlow at module level, so importing this module is free and settles the environment.
@@ -26,6 +31,7 @@ import warnings
 from typing import Mapping, Optional
 
 ONEDNN_VARIABLE = 'TF_ENABLE_ONEDNN_OPTS'
+LEGACY_KERAS_VARIABLE = 'TF_USE_LEGACY_KERAS'
 _X86_MACHINES = frozenset({'x86_64', 'amd64', 'x86', 'i386', 'i686'})
 
 # Set by enable_onednn: who decided the oneDNN setting of this process.
@@ -63,6 +69,15 @@ def enable_onednn() -> Optional[str]:
     else:
         onednn_source = 'tensorflow'
     return onednn_source
+
+
+def use_legacy_keras() -> bool:
+    """Sets TF_USE_LEGACY_KERAS=1 (tf.keras is tf-keras) unless the user has set it or TensorFlow is already
+    imported (it reads the variable as it is imported); returns whether it was set now."""
+    if LEGACY_KERAS_VARIABLE in os.environ or 'tensorflow' in sys.modules:
+        return False
+    os.environ[LEGACY_KERAS_VARIABLE] = '1'
+    return True
 
 
 def onednn_enabled() -> bool:

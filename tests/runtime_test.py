@@ -26,6 +26,7 @@ def run_python(code: str, **environment):
     when not given); returns the completed process."""
     env = helpers.subprocess_environment(TF_CPP_MIN_LOG_LEVEL='2')
     env.pop(runtime.ONEDNN_VARIABLE, None)
+    env.pop(runtime.LEGACY_KERAS_VARIABLE, None)
     env.update(environment)
     return subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=helpers.REPO)
@@ -74,6 +75,18 @@ class FreshProcessTest(tf.test.TestCase):
         self.assertEqual(process.returncode, 0, process.stderr[-2000:])
         onednn_on = process.stdout.split()[-1] == 'True'    # TensorFlow's own default on this CPU
         self.assertEqual('import imagenet_tpu first' in process.stderr, X86 and not onednn_on, process.stderr)
+
+    def test_importing_the_package_first_makes_tf_keras_tf_keras_without_importing_keras_3(self):
+        # TensorFlow's own check of the variable (tf.keras's module path) and Keras 3's package not imported.
+        code = ('import sys, imagenet_tpu, tensorflow as tf, tf_keras; '
+                'print(tf.keras.layers.Dense is tf_keras.layers.Dense, "keras" in sys.modules)')
+        process = run_python(code)
+        self.assertEqual(process.returncode, 0, process.stderr[-2000:])
+        self.assertEqual(process.stdout.split()[-2:], ['True', 'False'])
+        # The user's setting wins: TF_USE_LEGACY_KERAS=0 keeps TensorFlow's default, Keras 3 as tf.keras.
+        process = run_python(code, TF_USE_LEGACY_KERAS='0')
+        self.assertEqual(process.returncode, 0, process.stderr[-2000:])
+        self.assertEqual(process.stdout.split()[-2:], ['False', 'True'])
 
     def test_command_line_starts_without_the_cuinit_line_and_still_shows_errors(self):
         process = run_python('import sys; from imagenet_tpu.commands import train as main; sys.argv = ["imagenet-tpu-train", '
