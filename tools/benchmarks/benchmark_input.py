@@ -12,8 +12,9 @@ Pipelines, each reading the same files with the same interleave, shuffle, batch 
          It also standardizes the pixels, which ours leaves to the network's first layer on the accelerator.
 Each measurement is a fresh iterator (after 4 untimed batches), so no idle pipeline works in the background.
 With one pipeline and one thread count, the last line printed is one JSON object {"pipeline", "images_per_second",
-"threads", "num_images"}; with several, they run alternately (A B C A B C ...) for --rounds rounds, each figure
-is the median over rounds, and the last line is a JSON object with every figure and the ratios to ours.
+"threads", "num_images"}; with several, they run alternately (A B C, then C B A, ...: step_timing.round_order) for
+--rounds rounds, each figure is the median over rounds, and the last line is a JSON object with every figure, the
+ratios to ours, and under "round_by_round" the medians of the same ratios taken within each round.
 --epochs E instead reads E passes over --num_images images and prints images/s and memory after each.
 """
 
@@ -28,6 +29,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package's oneDNN setting)
 
 tf = runtime.import_tensorflow()
+import step_timing  # noqa: E402  (this folder: the benchmarks' round order)
 from imagenet_tpu.data import pipeline as input_pipeline
 from imagenet_tpu.data import preprocessing
 from imagenet_tpu.data import records as record_io
@@ -131,8 +133,8 @@ def run(data_dir: str, pipelines, threads, batch_size: int, image_size: int, num
     batches = max(1, num_images // batch_size)
     figures = {name: [] for name in candidates}
     for round_index in range(rounds):
-        for name, (_, _, dataset) in candidates.items():
-            figures[name].append(images_per_second(dataset, batches, batch_size))
+        for name in step_timing.round_order(candidates, round_index):
+            figures[name].append(images_per_second(candidates[name][2], batches, batch_size))
         print_fn(f'round {round_index + 1}/{rounds}: '
                  + ', '.join(f'{name} {values[-1]:.1f} images/s' for name, values in figures.items()))
     medians = {name: statistics.median(values) for name, values in figures.items()}
@@ -144,11 +146,15 @@ def run(data_dir: str, pipelines, threads, batch_size: int, image_size: int, num
                 'num_images': batches * batch_size}
     result = {'images_per_second': {name: round(value, 1) for name, value in medians.items()},
               'num_images': batches * batch_size, 'rounds': rounds}
+    result['round_by_round'] = {}
     for name, value in medians.items():
         pipeline, count, _ = candidates[name]
         ours = f'ours@{count}' if len(threads) > 1 else 'ours'
         if pipeline != 'ours' and ours in medians:
             result[f'{ours}/{name}'] = round(medians[ours] / value, 3)
+            paired = step_timing.paired_ratios({ours: figures[ours], name: figures[name]}, name)[ours]
+            result['round_by_round'][f'{ours}/{name}'] = round(paired, 3)
+            print_fn(f'{ours}/{name}: {medians[ours] / value:.3f} (round by round: {paired:.3f})')
     if len(threads) > 1 and 'ours@1' in medians:
         for count in threads[1:]:
             if f'ours@{count}' in medians:

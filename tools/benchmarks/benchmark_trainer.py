@@ -6,13 +6,15 @@ crops of 8-100% of the image area and flips, momentum SGD with L2 weight decay 1
 and files read at once alike. Theirs is experiment `resnet_imagenet` run by `official.vision.train` (its parser,
 its task's train step, orbit's loop with --report_every steps per loop); ours is `imagenet-tpu-train`.
 Each run is a fresh process with the same environment, the oneDNN setting included (printed first). Candidates
-alternate (ours, tfm, ours, tfm, ...) for --rounds rounds.
+alternate, every other round in reverse order (ours, tfm, tfm, ours, ...: step_timing.round_order), for --rounds
+rounds; an even number of rounds gives each candidate each place equally often.
 
 Steady state: each process's progress reports (our progress lines every --report_every steps, orbit's
 `train | step: N` lines every loop of --report_every steps) are timestamped as they arrive; a run's images/s is
 (last reported step - first reported step) x batch / (time between those two lines), so start-up, tracing, the
 first steps and the end (evaluation, export) are left out of both alike. Each figure is the median over rounds.
-The last line printed is one JSON object with every run, the medians and ours/tfm.
+The last line printed is one JSON object with every run, the medians, ours/tfm (of the medians) and under
+"round_by_round" the median of each round's ours/tfm.
 
     python tools/data/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
     make peer    # tf-models-official in .venv-peer (BUILD.md)
@@ -34,6 +36,7 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package's oneDNN setting)
+import step_timing  # noqa: E402  (this folder: the benchmarks' round order)
 
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Directory of train-*-of-* and validation-*-of-* shards '
                                 '(tools/data/make_benchmark_data.py writes both).')
@@ -46,7 +49,7 @@ _IMAGE_SIZE = flags.DEFINE_integer('image_size', 128, 'Network input side, in pi
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', 32, 'Global batch, in images.')
 _STEPS = flags.DEFINE_integer('steps', 50, 'Training steps per run.')
 _REPORT_EVERY = flags.DEFINE_integer('report_every', 10, 'Steps between progress reports (orbit: steps per loop).')
-_ROUNDS = flags.DEFINE_integer('rounds', 2, 'Alternating rounds.')
+_ROUNDS = flags.DEFINE_integer('rounds', 2, 'Alternating rounds (every other one in reverse order).')
 _JIT_COMPILE = flags.DEFINE_bool('jit_compile', False, 'XLA-compile both train steps.')
 _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', 10000, 'Records in the shuffle buffer of both.')
 _CYCLE_LENGTH = flags.DEFINE_integer('cycle_length', 10, 'Training files read at once by both.')
@@ -152,7 +155,8 @@ def main(argv):
     scratch = tempfile.mkdtemp(prefix='benchmark_trainer-')
     try:
         for round_index in range(_ROUNDS.value):
-            for index, name in enumerate(_CANDIDATES.value):
+            for name in step_timing.round_order(_CANDIDATES.value, round_index):
+                index = _CANDIDATES.value.index(name)
                 model_dir = os.path.join(scratch, f'round{round_index}-candidate{index}')
                 base, _, extra = name.partition(':')
                 command = (ours_command(data_dir, model_dir, num_eval_images, extra.split()) if base == 'ours'
@@ -166,7 +170,8 @@ def main(argv):
         return 1
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    medians = {name: statistics.median(r['images_per_second'] for r in results) for name, results in runs.items()}
+    rates = {name: [r['images_per_second'] for r in results] for name, results in runs.items()}
+    medians = {name: statistics.median(values) for name, values in rates.items()}
     for name, median in medians.items():
         print(f'{name}: {median:.2f} images/s (median of {len(runs[name])})')
     summary = {'environment': facts, 'image_size': _IMAGE_SIZE.value, 'batch_size': _BATCH_SIZE.value,
@@ -176,7 +181,9 @@ def main(argv):
         for name in medians:
             if name != 'tfm':
                 summary[f'{name}/tfm'] = round(medians[name] / medians['tfm'], 3)
-                print(f"{name}/tfm: {summary[f'{name}/tfm']:.3f}")
+                paired = step_timing.paired_ratios({name: rates[name], 'tfm': rates['tfm']}, 'tfm')[name]
+                summary.setdefault('round_by_round', {})[f'{name}/tfm'] = round(paired, 3)
+                print(f"{name}/tfm: {summary[f'{name}/tfm']:.3f} (round by round: {paired:.3f})")
     print(json.dumps(summary))
     return 0
 

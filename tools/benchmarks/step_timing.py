@@ -1,9 +1,13 @@
 """Shared by the benchmarks: time compiled Keras training steps of several models in alternating rounds.
 
-Alternating rounds (A B C A B C ...) spread machine noise over every candidate alike; each figure is the median
-over rounds of the mean step time within a round.
+Alternating rounds spread machine noise over every candidate alike, and every other round runs the candidates
+in reverse order (A B C, C B A, A B C, ...): a machine whose speed drifts during a benchmark (seen: 1.4x faster
+after 50 minutes on a shared 2-core host) then favours no candidate for being later in its round. Each figure is
+the median over rounds of the mean step time within a round; ``paired_ratios`` also gives, for each candidate,
+the median over rounds of its figure divided by the base's in the same round, which a slow drift affects least.
 """
 
+import math
 import statistics
 import time
 
@@ -19,6 +23,21 @@ def environment(print_fn=print) -> dict:
         _ENVIRONMENT.update(runtime.report())
         print_fn(runtime.describe(_ENVIRONMENT))
     return dict(_ENVIRONMENT)
+
+
+def round_order(names, round_index: int) -> list:
+    """The candidates in the order of round ``round_index`` (from 0): as given in even rounds, reversed in odd."""
+    names = list(names)
+    return names[::-1] if round_index % 2 else names
+
+
+def paired_ratios(figures: dict, base: str) -> dict:
+    """{name: median over rounds of figures[name][r] / figures[base][r]}: each round's ratio to the base, the
+    drift between rounds left out. The median of the ratios' logarithms: a ratio and its inverse weigh alike, so
+    with an even number of rounds the two middle ones meet at their geometric mean."""
+    return {name: math.exp(statistics.median(math.log(value / figures[base][index])
+                                             for index, value in enumerate(values)))
+            for name, values in figures.items()}
 
 
 def warm_up(classifier, iterator, steps: int = 2) -> None:
@@ -38,7 +57,8 @@ def time_rounds(runners: dict, steps: int, rounds: int, print_fn=print) -> dict:
         float(classifier.train_function(iterator)['loss'])
     times = {name: [] for name in runners}
     for round_index in range(rounds):
-        for name, (classifier, iterator) in runners.items():
+        for name in round_order(runners, round_index):
+            classifier, iterator = runners[name]
             start = time.perf_counter()
             for _ in range(steps):
                 logs = classifier.train_function(iterator)
@@ -50,12 +70,15 @@ def time_rounds(runners: dict, steps: int, rounds: int, print_fn=print) -> dict:
 
 
 def summarize(times: dict, base: str, images_per_step: int, print_fn=print) -> dict:
-    """Prints one line per candidate and returns {median_step_ms, images_per_second, step_time_ratio_to_BASE}."""
+    """Prints one line per candidate and returns {median_step_ms, images_per_second, step_time_ratio_to_BASE,
+    paired_step_time_ratio_to_BASE}."""
     medians = {name: statistics.median(values) for name, values in times.items()}
+    paired = paired_ratios(times, base)
     for name, median in medians.items():
         print_fn(f'{name}: {median * 1000:.1f} ms/step, {images_per_step / median:.1f} images/s, '
-                 f'{median / medians[base]:.3f}x the step time of {base}')
+                 f'{median / medians[base]:.3f}x the step time of {base} (round by round: {paired[name]:.3f}x)')
     return {'environment': environment(print_fn),
             'median_step_ms': {n: round(m * 1000, 2) for n, m in medians.items()},
             'images_per_second': {n: round(images_per_step / m, 1) for n, m in medians.items()},
-            f'step_time_ratio_to_{base}': {n: round(m / medians[base], 4) for n, m in medians.items()}}
+            f'step_time_ratio_to_{base}': {n: round(m / medians[base], 4) for n, m in medians.items()},
+            f'paired_step_time_ratio_to_{base}': {n: round(r, 4) for n, r in paired.items()}}
