@@ -43,7 +43,8 @@ def define_flags():
     flags.DEFINE_list('models', ['ours', 'keras_applications', 'tf_models_official', 'ours_lars_groupbn'],
                       'Models to time; the first is the base of the ratios.')
     flags.DEFINE_integer('peak_size', 2048, 'Side of the square matrices of the peak measurement.')
-    flags.DEFINE_integer('peak_repeats', 10, 'Timed matrix products of the peak measurement.')
+    flags.DEFINE_integer('peak_repeats', 10, 'Timed matrix products of the peak measurement (0: no peak '
+                         'measurement).', lower_bound=0)
 
 
 def matmul_peak_flops(size: int, repeats: int) -> float:
@@ -131,17 +132,19 @@ def main(argv):
     summary['gmac_per_second'] = {n: round(v, 1) for n, v in gmac_per_second.items()}
     summary[f'gmac_normalised_ratio_to_{base}'] = {n: round(v / gmac_per_second[base], 4)
                                                    for n, v in gmac_per_second.items()}
-    peak = matmul_peak_flops(f.peak_size, f.peak_repeats)
     # FLOPs of a training image: forward, input and weight gradients (3 x the forward), 2 per multiply-add.
     achieved = {n: summary['images_per_second'][n] * 6 * GMAC_224[n] * 1e9 * scale for n in runners}
-    summary['matmul_peak_gflops'] = round(peak / 1e9, 1)
     summary['achieved_gflops'] = {n: round(v / 1e9, 1) for n, v in achieved.items()}
-    summary['fraction_of_peak'] = {n: round(v / peak, 4) for n, v in achieved.items()}
-    print(f'peak: a {f.peak_size} x {f.peak_size} float32 matrix product at {peak / 1e9:.1f} GFLOP/s')
+    peak = matmul_peak_flops(f.peak_size, f.peak_repeats) if f.peak_repeats else None
+    if peak:
+        summary['matmul_peak_gflops'] = round(peak / 1e9, 1)
+        summary['fraction_of_peak'] = {n: round(v / peak, 4) for n, v in achieved.items()}
+        print(f'peak: a {f.peak_size} x {f.peak_size} float32 matrix product at {peak / 1e9:.1f} GFLOP/s')
     for name in runners:
+        of_peak = f', {achieved[name] / peak:.1%} of the peak' if peak else ''
         print(f'{name}: {gmac_per_second[name]:.1f} GMAC/s, {gmac_per_second[name] / gmac_per_second[base]:.3f}x '
-              f'{base} per multiply-add; {achieved[name] / 1e9:.1f} GFLOP/s, {achieved[name] / peak:.1%} of the '
-              f'peak; peak RSS after warm-up {peak_rss_mb[name]:,.0f} MB')
+              f'{base} per multiply-add; {achieved[name] / 1e9:.1f} GFLOP/s{of_peak}; peak RSS after warm-up '
+              f'{peak_rss_mb[name]:,.0f} MB')
     print(json.dumps({'image_size': f.image_size, 'batch_size': f.batch_size, 'precision': f.precision,
                       'jit_compile': f.jit_compile, **summary, 'peak_rss_mb': peak_rss_mb, 'skipped': skipped}))
 
