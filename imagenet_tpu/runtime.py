@@ -12,7 +12,7 @@
   find cuda drivers" notice) back where no NVIDIA driver is loaded, and passes every other line on.
 - Keras 2 as tf.keras (use_legacy_keras). The package's Keras is tf-keras (`import tf_keras as keras`); TensorFlow
   2.20's tf.keras is Keras 3 unless TF_USE_LEGACY_KERAS is set, and TensorFlow imports Keras 3's optimizers as it is
-  itself imported, about 1 s of every start of a process (docs/benchmarks.md X24), to register them for SavedModels.
+  itself imported, about 0.9 s of every start of a process (docs/benchmarks.md X24), to register them for SavedModels.
   With the variable set, tf.keras is tf-keras, the Keras the package's models are made of, and TensorFlow registers
   tf-keras's optimizers instead. A value the user has set is left alone.
 - glibc's malloc arenas (limit_malloc_arenas).

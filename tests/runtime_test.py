@@ -22,8 +22,8 @@ NO_DRIVER_LINE = ('2026-11-30 05:09:46.426962: I external/local_xla/xla/tsl/cuda
 
 
 def run_python(code: str, **environment):
-    """Runs ``code`` in a fresh Python with this checkout on the path and TF_ENABLE_ONEDNN_OPTS as given (unset
-    when not given); returns the completed process."""
+    """Runs ``code`` in a fresh Python with this checkout on the path, and TF_ENABLE_ONEDNN_OPTS and
+    TF_USE_LEGACY_KERAS as given (each unset when not given); returns the completed process."""
     env = helpers.subprocess_environment(TF_CPP_MIN_LOG_LEVEL='2')
     env.pop(runtime.ONEDNN_VARIABLE, None)
     env.pop(runtime.LEGACY_KERAS_VARIABLE, None)
