@@ -109,6 +109,7 @@ class Classifier(keras.Model):
                 noise = self.noise_scale.update([g * float(replicas) for g in local], gradients,
                                                 self.global_batch_size // replicas, self.global_batch_size)
             self.optimizer.apply_gradients(zip(gradients, variables), skip_gradients_aggregation=True)
+        # Every float variable of the network: the weights and the moving statistics.
         self.finite_weights.assign(all_finite(v for v in self.network.variables if v.dtype.is_floating))
         outputs = self._update_metrics(labels, logits, per_example_loss)
         if noise:

@@ -41,7 +41,8 @@ class AllFiniteTest(tf.test.TestCase):
             tensors = [rng.normal(size=rng.integers(1, 50, size=2)).astype(np.float32) * 10.0 ** rng.integers(-30, 30)
                        for _ in range(3)]
             if trial % 4:     # three in four: one element of one tensor replaced
-                tensors[trial % 3].flat[trial] = (np.nan, np.inf, -np.inf)[trial % 3]
+                chosen = tensors[trial % 3]
+                chosen.flat[trial % chosen.size] = (np.nan, np.inf, -np.inf)[trial % 3]
             expected = all(np.isfinite(t).all() for t in tensors)
             self.assertEqual(bool(classifier_lib.all_finite([tf.constant(t) for t in tensors])), expected, trial)
         large = [tf.fill([1000], 1e34), tf.fill([10], -3e36)]       # finite: sums of 1e37 and -3e37
