@@ -53,8 +53,10 @@ def export_saved_model(network: keras.Model, path: str, class_names: Sequence[st
     def serve_preprocessed(images):
         return outputs(images)
 
+    # The network's variables, not the Keras model: saving the model would make TensorFlow trace every layer's
+    # call for Keras's own loader, which no signature needs (ResNet-10 at 16 px: 4.3 s instead of 1.6 s to save).
     module = tf.Module()
-    module.network = network
+    module.network_variables = list(network.variables)
     module.class_names = tf.Variable(names, trainable=False, name='class_names')
     tf.saved_model.save(module, path, signatures={'serving_default': serve_encoded, 'serving_pixels': serve_pixels,
                                                   'serving_preprocessed': serve_preprocessed})
