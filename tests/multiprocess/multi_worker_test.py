@@ -2,8 +2,8 @@
 of 2 hosts with 2 accelerators each, simulated (tools/launch/run_local_workers.py). Batch norm over groups that span
 the hosts, evaluation of every image once with two input pipelines, checkpoints written once by the chief,
 augmentations that differ between hosts; after one worker is killed mid-run, running the same command again
-continues from the last checkpoint; after SIGTERM to one worker, every worker saves the same step and the same
-command ends with the weights of an uninterrupted run."""
+continues from the last checkpoint; after SIGTERM to one worker, every worker saves the same step, and the same
+command ends with the weights one device computes from the pod's global batches."""
 
 import dataclasses
 import json
@@ -71,6 +71,9 @@ class ClusterTest(tf.test.TestCase):
 
 @pytest.mark.slow
 class MultiWorkerTest(tf.test.TestCase):
+    """One run of the pod, interrupted twice, that every test below reads: kill -9 of worker 1 after the chief's
+    checkpoint of step 4, the same command, SIGTERM to worker 1 after the checkpoint of step 12, the same command
+    to the end. (Three launches of two workers: an uninterrupted run of its own beside it would be a fourth.)"""
 
     STEPS = 16
 
@@ -79,10 +82,37 @@ class MultiWorkerTest(tf.test.TestCase):
         super().setUpClass()
         cls.root = helpers.class_folder(cls)
         cls.data_dir = os.path.join(cls.root, 'data')
-        # One uninterrupted run, the reference of every test below.
-        cls.reference_dir = os.path.join(cls.root, 'uninterrupted')
-        cls.reference = subprocess.run(launcher(cls.data_dir, cls.reference_dir, cls.STEPS), env=environment(),
-                                       capture_output=True, text=True, timeout=TIMEOUT)
+        cls.model_dir = os.path.join(cls.root, 'run')
+        cls.killed_status, cls.killed = cls.signal_worker_1('killed', signal.SIGKILL, 4)
+        cls.preempted_status, cls.preempted = cls.signal_worker_1('preempted', signal.SIGTERM, 12)
+        cls.final = subprocess.run(launcher(cls.data_dir, cls.model_dir, cls.STEPS), env=environment(),
+                                   capture_output=True, text=True, timeout=TIMEOUT)
+
+    @classmethod
+    def signal_worker_1(cls, name, signum, after_step):
+        """Starts the two workers, sends ``signum`` to worker 1 once the chief has a checkpoint at ``after_step``
+        or later; returns the launcher's exit status and its output."""
+        log_path = os.path.join(cls.root, f'{name}.log')
+        with open(log_path, 'w') as log:
+            process = subprocess.Popen(launcher(cls.data_dir, cls.model_dir, cls.STEPS), env=environment(),
+                                       stdout=log, stderr=subprocess.STDOUT, text=True)
+            deadline = time.time() + TIMEOUT
+            while latest_step(os.path.join(cls.model_dir, 'checkpoints')) < after_step:
+                if process.poll() is not None or time.time() > deadline:
+                    process.kill()
+                    with open(log_path) as f:
+                        raise AssertionError(f'{name}: no checkpoint of step {after_step} '
+                                             f'(exit {process.poll()})\n{errors(f.read())}')
+                time.sleep(0.1)
+            with open(log_path) as f:
+                found = re.search(r'worker 1 pid (\d+)', f.read())
+            if not found:
+                process.kill()
+                raise AssertionError(f'{name}: the launcher did not print the pid of worker 1')
+            os.kill(int(found.group(1)), signum)
+            status = process.wait(TIMEOUT)
+        with open(log_path) as f:
+            return status, f.read()
 
     def assert_saved_once(self, model_dir, steps):
         """The chief's checkpoint of ``steps`` is the run's only copy: worker 1 took part in saving it (a
@@ -93,49 +123,32 @@ class MultiWorkerTest(tf.test.TestCase):
         variables = helpers.checkpoint_variables(chief)
         self.assertTrue(any(np.any(value != 0) for name, value in variables.items() if 'kernel' in name))
 
-    def signal_worker_1(self, model_dir, log_path, signum, after_step) -> int:
-        """Starts the two workers, sends ``signum`` to worker 1 once the chief has a checkpoint at ``after_step`` or
-        later, and returns the launcher's exit status (the output goes to ``log_path``)."""
-        with open(log_path, 'w') as log:
-            process = subprocess.Popen(launcher(self.data_dir, model_dir, self.STEPS), env=environment(), stdout=log,
-                                       stderr=subprocess.STDOUT, text=True)
-            deadline = time.time() + TIMEOUT
-            while latest_step(os.path.join(model_dir, 'checkpoints')) < after_step:
-                self.assertIsNone(process.poll(), 'the workers ended before the signal')
-                self.assertLess(time.time(), deadline)
-                time.sleep(0.1)
-            with open(log_path) as f:
-                text = f.read()
-            found = re.search(r'worker 1 pid (\d+)', text)
-            self.assertIsNotNone(found, text[-3000:])
-            os.kill(int(found.group(1)), signum)
-            return process.wait(TIMEOUT)
-
     def test_two_hosts_of_two_replicas_train_together_evaluate_every_image_once_and_save_once(self):
-        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        self.assertEqual(self.final.returncode, 0, errors(self.final.stdout))
         for index in range(2):
-            self.assertIn(f'[worker {index}] 10-layer ResNet, 4 replicas', self.reference.stdout)
-        self.assert_saved_once(self.reference_dir, self.STEPS)
-        with open(os.path.join(self.reference_dir, 'results.json')) as f:
+            self.assertIn(f'[worker {index}] 10-layer ResNet, 4 replicas', self.final.stdout)
+        self.assert_saved_once(self.model_dir, self.STEPS)
+        with open(os.path.join(self.model_dir, 'results.json')) as f:
             self.assertEqual(json.load(f)['eval_images'], 20)
 
     def test_progress_lines_of_every_worker_show_the_global_loss_and_top_1(self):
         # The last progress line of an epoch and its end line are at the same step: the same figures (Keras summed
-        # the step's outputs over the workers, so the progress lines showed loss and top-1 x 2).
-        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        # the step's outputs over the workers, so the progress lines showed loss and top-1 x 2). Each launch's
+        # lines apart (a resumed launch repeats steps); the last launch ends its epoch at step 16 on both workers.
+        self.assertEqual(self.final.returncode, 0, errors(self.final.stdout))
         compared = 0
-        for index in range(2):
-            lines = re.findall(rf'\[worker {index}\] epoch \S+ step (\d+)/\d+ loss (\S+) top-1 (\S+)%(.*)',
-                               self.reference.stdout)
-            within = {step: (loss, top_1) for step, loss, top_1, rest in lines if 'memory' not in rest}
-            for step, loss, top_1, rest in lines:
-                if 'memory' in rest:
-                    self.assertEqual(within[step], (loss, top_1), f'worker {index} step {step}')
-                    compared += 1
-        self.assertGreaterEqual(compared, 4)
+        for output in (self.killed, self.preempted, self.final.stdout):
+            for index in range(2):
+                lines = re.findall(rf'\[worker {index}\] epoch \S+ step (\d+)/\d+ loss (\S+) top-1 (\S+)%(.*)', output)
+                within = {step: (loss, top_1) for step, loss, top_1, rest in lines if 'memory' not in rest}
+                for step, loss, top_1, rest in lines:
+                    if 'memory' in rest and step in within:
+                        self.assertEqual(within[step], (loss, top_1), f'worker {index} step {step}')
+                        compared += 1
+        self.assertGreaterEqual(compared, 2)
 
-    def reference_config(self, **overrides):
-        """The reference run's settings as its command line gives them."""
+    def run_config(self, **overrides):
+        """The run's settings as its command line gives them."""
         common.define_flags()
         with flagsaver.flagsaver():
             flags.FLAGS(['imagenet-tpu-train', f'--data_dir={self.data_dir}', f'--total_steps={self.STEPS}', *RUN])
@@ -144,10 +157,10 @@ class MultiWorkerTest(tf.test.TestCase):
     def test_the_plan_counts_what_the_run_did(self):
         # The planner on the simulated pod's topology (2 hosts of 2 logical CPU devices) and the run itself: every
         # count both have. The CPU's peak is given: no count depends on it.
-        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
-        with open(os.path.join(self.reference_dir, 'results.json')) as f:
+        self.assertEqual(self.final.returncode, 0, errors(self.final.stdout))
+        with open(os.path.join(self.model_dir, 'results.json')) as f:
             run = json.load(f)
-        planned = planner.plan(self.reference_config(topology='2x2xcpu'), cpu_peak_tflops=0.1)
+        planned = planner.plan(self.run_config(topology='2x2xcpu'), cpu_peak_tflops=0.1)
         for count in ('replicas', 'input_pipelines', 'per_replica_batch', 'bn_group_images', 'steps', 'evaluations'):
             self.assertEqual(planned[count], run[count], count)
         self.assertEqual((run['replicas'], run['input_pipelines'], run['bn_group_images']), (4, 2, 8))
@@ -156,14 +169,17 @@ class MultiWorkerTest(tf.test.TestCase):
         # One device trains from the same initial weights (seed 1) on the pod's global batches in the pod's order:
         # step s is host 0's per-replica batches 2s and 2s + 1 (replicas 0 and 1), then host 1's (replicas 2 and
         # 3), each host's stream built as its worker builds it (input pipeline p of 2, after the process settings
-        # of a run: its seed). The pod's batch norm spans all 4 replicas, so one device normalizing
-        # the 8 images together computes the same function, and the pod's 2 fit calls (a resume of the stream at
-        # step 12) change nothing. Only the order of float32 sums differs (all-reduces over replicas and hosts
-        # against one device's reductions): measured at most 3.6e-7 over every tensor after 16 steps; the bound
-        # below leaves a margin of 30x.
-        self.assertEqual(self.reference.returncode, 0, errors(self.reference.stdout))
+        # of a run: its seed). The pod's batch norm spans all 4 replicas, so one device normalizing the 8 images
+        # together computes the same function, and the pod's interruptions change nothing: each resume continues
+        # the stream and the weights where the checkpoint left them, and the replicas restart their batch-norm
+        # moving statistics from the checkpoint's mean of them. Only the order of float32 sums differs
+        # (all-reduces over replicas and hosts against one device's reductions): measured at most 3.6e-7 over
+        # every tensor after 16 steps of an uninterrupted pod, 4.8e-7 with both interruptions; the bound below
+        # leaves a margin of 20x. A resume that replayed, skipped or reordered a step would be far outside it
+        # (a weight moves by up to 2.45 over the 16 steps).
+        self.assertEqual(self.final.returncode, 0, errors(self.final.stdout))
         # ('reestimate' with groups of 1 builds the pod's GroupBatchNormalization layers, with one device's group.)
-        config = self.reference_config(strategy='default', bn_group_size=1, bn_inference_statistics='reestimate')
+        config = self.run_config(strategy='default', bn_group_size=1, bn_inference_statistics='reestimate')
         # The seed of a run (train.prepare_process), without its op determinism: that stays on for the rest of
         # this process, where it would refuse XLA's max-pool gradient in tests that come after.
         tf_keras.utils.set_random_seed(config.seed)
@@ -177,17 +193,20 @@ class MultiWorkerTest(tf.test.TestCase):
                  for step in range(self.STEPS)]
         images = np.stack([np.concatenate([batch[0] for batch in step]) for step in steps])
         labels = np.stack([np.concatenate([batch[1] for batch in step]) for step in steps])
+        initial = [w.copy() for w in classifier.network.get_weights()]
         classifier.fit(tf.data.Dataset.from_tensor_slices((images, labels)), epochs=1, steps_per_epoch=self.STEPS,
                        verbose=0)
+        moved = max(float(np.abs(w - w0).max()) for w, w0 in zip(classifier.network.get_weights(), initial))
+        self.assertGreater(moved, 1e-2)     # the run trained: the bound below tells weights apart
         one_device = os.path.join(self.root, 'one_device')
         checkpointing.checkpoint_manager(classifier, one_device).save(checkpoint_number=self.STEPS)
-        pod = helpers.checkpoint_variables(os.path.join(self.reference_dir, 'checkpoints'))
+        pod = helpers.checkpoint_variables(os.path.join(self.model_dir, 'checkpoints'))
         single = helpers.checkpoint_variables(os.path.join(one_device, 'checkpoints'))
         # The pod's checkpoint also holds the preemption handler's run counter; save counters differ by design.
         bookkeeping = ('checkpointed_runs', 'save_counter')
         self.assertCountEqual([name for name in pod if not name.startswith(bookkeeping)],
                               [name for name in single if not name.startswith(bookkeeping)])
-        compared = 0
+        compared, largest = 0, 0.0
         for name, value in single.items():
             if name.startswith(bookkeeping):
                 continue
@@ -195,25 +214,21 @@ class MultiWorkerTest(tf.test.TestCase):
                 self.assertAllEqual(pod[name], value, msg=name)     # the optimizer's step counter
                 continue
             self.assertAllClose(pod[name], value, atol=1e-5, rtol=1e-4, msg=name)
+            largest = max(largest, float(np.max(np.abs(pod[name] - value))))
             compared += 1
+        print(f'largest change of a weight over the run {moved:.3g}; largest difference pod - one device {largest:.3g}')
         self.assertGreater(compared, 90)    # kernels, batch-norm parameters and statistics, momenta
 
     def test_a_killed_then_a_preempted_worker_and_the_same_command_each_time(self):
-        model_dir = os.path.join(self.root, 'interrupted')
         # 1. kill -9 of worker 1: the launcher stops worker 0; the same command resumes both from the chief's
         # last checkpoint.
-        killed_log = os.path.join(self.root, 'killed.log')
-        self.assertEqual(self.signal_worker_1(model_dir, killed_log, signal.SIGKILL, 4), 128 + signal.SIGKILL)
-        with open(killed_log) as f:
-            text = f.read()
-        self.assertIn('worker 1 exited with status -9; stopping the others', text)
-        reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch [\d.]+ step (\d+)/', text))
+        self.assertEqual(self.killed_status, 128 + signal.SIGKILL)
+        self.assertIn('worker 1 exited with status -9; stopping the others', self.killed)
+        reached = max(int(step) for step in re.findall(r'\[worker 0\] epoch [\d.]+ step (\d+)/', self.killed))
         # 2. The same command; SIGTERM to worker 1: every worker saves the same step and exits with 143, and so
         # does the launcher ("run again").
-        preempted_log = os.path.join(self.root, 'preempted.log')
-        self.assertEqual(self.signal_worker_1(model_dir, preempted_log, signal.SIGTERM, 12), 143)
-        with open(preempted_log) as f:
-            text = f.read()
+        text = self.preempted
+        self.assertEqual(self.preempted_status, 143, errors(text))
         resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', text)]
         self.assertLen(resumed, 2, errors(text))       # both workers, from the chief's checkpoint
         self.assertEqual(resumed[0], resumed[1])
@@ -224,31 +239,13 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(saved[0], saved[1])
         self.assertBetween(saved[0], 12, self.STEPS - 1)
         self.assertNotIn('Traceback', text)
-        self.assert_saved_once(model_dir, saved[0])
-        # 3. The same command: both resume at the saved step and finish.
-        process = subprocess.run(launcher(self.data_dir, model_dir, self.STEPS), env=environment(),
-                                 capture_output=True, text=True, timeout=TIMEOUT)
-        self.assertEqual(process.returncode, 0, errors(process.stdout))
-        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', process.stdout)]
+        # 3. The same command: both resume at the saved step and finish (the weights: the one-device test above).
+        self.assertEqual(self.final.returncode, 0, errors(self.final.stdout))
+        resumed = [int(step) for step in re.findall(r'resumed from \S+ckpt-\d+ at step (\d+)', self.final.stdout)]
         self.assertEqual(resumed, [saved[0], saved[0]])
-        self.assert_saved_once(model_dir, self.STEPS)
+        self.assert_saved_once(self.model_dir, self.STEPS)
         print(f'worker 1 killed with worker 0 at step {reached}; both resumed at step {first_resume}; preempted, '
               f'every worker saved step {saved[0]}')
-        # Against the uninterrupted run: weights and optimizer slots exactly; batch-norm moving statistics,
-        # which each replica keeps and a checkpoint stores as their mean, to float32 rounding of the tensor's scale.
-        interrupted = helpers.checkpoint_variables(os.path.join(model_dir, 'checkpoints'))
-        reference = helpers.checkpoint_variables(os.path.join(self.reference_dir, 'checkpoints'))
-        compared = 0
-        for name, value in reference.items():
-            if name.startswith(('save_counter', 'checkpointed_runs')) or name not in interrupted:
-                continue
-            difference = np.max(np.abs(interrupted[name].astype(np.float64) - value))
-            if '/moving_' in name:
-                self.assertLess(difference / max(np.max(np.abs(value)), 1e-3), 1e-5, name)
-            else:
-                self.assertEqual(difference, 0.0, name)
-            compared += 1
-        self.assertGreater(compared, 50)
 
 
 @pytest.mark.slow
