@@ -80,12 +80,13 @@ class TrainStepTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllClose(variable, value, atol=1e-5)
 
     @pytest.mark.slow
-    def test_eight_replicas_end_with_the_same_weights_as_one_device(self):
+    def test_four_replicas_end_with_the_same_weights_as_one_device(self):
         # No batch norm (norm='none'): plain BN normalizes per replica, so with BN the two runs would differ
         # by design. Everything else of the step (loss scaling by the global batch, weight decay scaled per
-        # replica, label smoothing, gradient summation, momentum, schedule) must agree.
+        # replica, label smoothing, gradient summation, momentum, schedule) must agree. (Tracing costs a step's
+        # graph per replica: 4 replicas test the same as 8 at half the cost.)
         initial, (single, multi) = helpers.train_same_start(
-            [(TINY, tf.distribute.get_strategy()), (TINY, helpers.mirrored(8))])
+            [(TINY, tf.distribute.get_strategy()), (TINY, helpers.mirrored(4))])
         helpers.assert_same_training(self, single, multi, initial, atol=1e-5, rtol=1e-4, min_change=1e-3)
 
 
