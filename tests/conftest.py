@@ -27,3 +27,8 @@ def pytest_collection_modifyitems(config, items):
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.name == 'test_session'])
         items[:] = kept
+    # Files with slow tests (training processes, many replicas) first, each file's tests in their order: pytest-xdist
+    # hands out files in this order, so the suite ends on short files, with both processes busy to the end,
+    # rather than on one long file with the other process idle.
+    slow_files = {item.path for item in items if item.get_closest_marker('slow')}
+    items.sort(key=lambda item: item.path not in slow_files)
