@@ -255,13 +255,21 @@ def default_steps_per_execution(config: Config, on_tpu: bool) -> int:
 
 def planned_evaluations(config: Config) -> int:
     """Evaluations a fresh run does: those of its model.fit calls (checkpointing.fit_segments, Keras validating
-    after every epoch e with (e + 1) % eval_every_epochs == 0) and the final one; none on synthetic data."""
+    after every epoch e with (e + 1) % eval_every_epochs == 0) and a final one, unless the last epoch's validation
+    was of the final weights already; none on synthetic data."""
     if config.synthetic_data:
         return 0
+    segments = checkpointing.fit_segments(0, config.train_steps, config.steps_per_epoch)
     during = sum((epoch + 1) % config.eval_every_epochs == 0
-                 for segment in checkpointing.fit_segments(0, config.train_steps, config.steps_per_epoch)
-                 for epoch in range(segment.initial_epoch, segment.epochs))
-    return during + 1
+                 for segment in segments for epoch in range(segment.initial_epoch, segment.epochs))
+    return during + (0 if segments and validates_last_epoch(config, segments[-1]) else 1)
+
+
+def validates_last_epoch(config: Config, segment: checkpointing.FitSegment) -> bool:
+    """Whether Keras validates after the last epoch of the fit call ``segment`` (validation_freq: after epoch e
+    with (e + 1) % eval_every_epochs == 0): then that validation, of the final weights, is the run's final
+    evaluation, and none follows it."""
+    return segment.epochs % config.eval_every_epochs == 0
 
 
 def check_replicas(config: Config, num_replicas: int) -> None:
@@ -402,13 +410,14 @@ def _step(classifier: keras.Model) -> int:
 def fit(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy, train_data,
         eval_data, callbacks: list, skip_counts: SkipCounts) -> dict:
     """Trains from the classifier's step to config.train_steps, one model.fit call per fit segment, evaluating
-    every eval_every_epochs epochs; returns the steps reached and the last epoch's train_loss and
-    images_per_second. Raises Preempted after a SIGTERM save, InputEnded when a fit call's input ran out."""
+    every eval_every_epochs epochs; returns the steps reached, the last epoch's train_loss and images_per_second,
+    and, when the last epoch was validated, that validation's figures as 'final_validation' (the final weights'
+    evaluation). Raises Preempted after a SIGTERM save, InputEnded when a fit call's input ran out."""
     start_step = _step(classifier)
     eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
     validate = eval_data is not None and config.eval_every_epochs
     sigterm = next((c for c in callbacks if isinstance(c, checkpointing.SaveOnSigterm)), None)
-    train_loss, images_per_second, evaluations, noise = float('nan'), 0.0, 0, None
+    train_loss, images_per_second, evaluations, noise, final_validation = float('nan'), 0.0, 0, None, None
     for segment in checkpointing.fit_segments(start_step, config.train_steps, config.steps_per_epoch):
         step = _step(classifier)
         if step != start_step:   # a later fit call: the stream must continue where the last one stopped
@@ -444,9 +453,16 @@ def fit(config: Config, classifier: classifier_lib.Classifier, strategy: tf.dist
                 noise = float(history.history['noise_scale'][-1])
         if history:
             evaluations += len(history.history.get('val_loss', []))
+        final_validation = None
+        if (history and validate and reached == config.train_steps and validates_last_epoch(config, segment)
+                and history.history.get('val_loss')):
+            # Keras's validation logs are evaluate()'s results, each name prefixed with 'val_'.
+            final_validation = {name[len('val_'):]: float(values[-1]) for name, values in history.history.items()
+                                if name.startswith('val_')}
     return {'steps': _step(classifier), 'train_loss': float(train_loss),
             'images_per_second': float(images_per_second), 'evaluations': evaluations,
-            **({'noise_scale': noise} if noise is not None else {})}
+            **({'noise_scale': noise} if noise is not None else {}),
+            **({'final_validation': final_validation} if final_validation else {})}
 
 
 def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy,
@@ -457,6 +473,13 @@ def evaluate(config: Config, classifier: classifier_lib.Classifier, strategy: tf
             checkpointing.SaveOnSigterm)
     evaluated = classifier.evaluate(eval_data, steps=eval_steps, verbose=0, return_dict=True,
                                     callbacks=[c for c in callbacks if isinstance(c, kept)])
+    return report_evaluation(config, classifier, evaluated, print_fn)
+
+
+def report_evaluation(config: Config, classifier: classifier_lib.Classifier, evaluated: dict,
+                      print_fn=print) -> dict:
+    """An evaluation's results (Keras's figures, and eval_images from the metrics it has just updated),
+    printed as the held-out line."""
     results = {name: float(value) for name, value in evaluated.items()}
     results['eval_images'] = int(classifier.top_1.count.numpy())
     print_fn(f'held-out top-1 {100 * results["top_1"]:.2f}% top-5 {100 * results["top_5"]:.2f}% '
@@ -526,7 +549,10 @@ def _train_and_evaluate(config: Config, strategy: tf.distribute.Strategy, chief:
     try:
         with input_errors():
             results = fit(config, classifier, strategy, train_data, eval_data, callbacks, skip_counts)
-            if eval_data is not None:
+            validated = results.pop('final_validation', None)
+            if validated is not None:      # the last epoch's validation evaluated the final weights
+                results.update(report_evaluation(config, classifier, validated, print_fn))
+            elif eval_data is not None:
                 results.update(evaluate(config, classifier, strategy, eval_data, callbacks, print_fn))
                 results['evaluations'] += 1
     finally:

@@ -101,6 +101,8 @@ class TrainAndEvaluateTest(tf.test.TestCase):
             losses.extend(-(targets * log_probabilities).sum(1))
             correct.extend(logits.argmax(1) == labels)
         self.assertLen(losses, 20)
+        # The epoch's validation was of the final weights: it is the run's evaluation, not repeated after it.
+        self.assertEqual((results['evaluations'], train.planned_evaluations(config)), (1, 1))
         self.assertAllClose(results['loss'], np.mean(losses), rtol=1e-5)
         self.assertAlmostEqual(results['top_1'], np.mean(correct), places=6)
 
