@@ -28,7 +28,7 @@ from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.errors import ConfigError, DataError, InputEnded, Preempted, StepError, summarize_graph_error
 from imagenet_tpu.model import batch_norm, resnet
 from imagenet_tpu.model import classifier as classifier_lib
-from imagenet_tpu.optim import lars, noise_scale, regularization, rmsprop_warmup, schedules
+from imagenet_tpu.optim import lars, noise_scale, regularization, rmsprop_warmup, schedules, sgd
 from imagenet_tpu.serving import export
 from imagenet_tpu.training import callbacks as callbacks_lib
 from imagenet_tpu.training import checkpointing, termination
@@ -153,7 +153,7 @@ def _build_optimizer(config: Config) -> keras.optimizers.Optimizer:
     if config.optimizer == 'rmsprop_warmup':
         return rmsprop_warmup.RMSpropWarmup(learning_rate, build_alpha_sgd(config),
                                             rms_learning_rate=config.rms_learning_rate, momentum=config.momentum)
-    return keras.optimizers.SGD(learning_rate, momentum=config.momentum, nesterov=config.nesterov)
+    return sgd.SGD(learning_rate, momentum=config.momentum, nesterov=config.nesterov)
 
 
 def loss_weight_decay(config: Config) -> float:

@@ -1,10 +1,12 @@
-"""Step time of a ResNet with LARS (and RMSprop warm-up) against momentum SGD, measured in one run.
+"""Step time of a ResNet with LARS (and RMSprop warm-up) against momentum SGD, measured in one run; also our
+momentum SGD (one kernel per variable, imagenet_tpu/optim/sgd.py) against tf_keras's (`sgd_tf_keras`).
 
 Same network, batch, image size and synthetic batch for every optimizer; the optimizers are timed in alternating
 rounds so that machine noise hits all of them alike. Prints each median step time and the ratios to SGD; the
 last line is one JSON object with all figures.
 
     python tools/benchmarks/benchmark_optimizer.py --depth=50 --image_size=64 --batch_size=32
+    python tools/benchmarks/benchmark_optimizer.py --optimizers=sgd,sgd_tf_keras --image_size=128 --rounds=8
 """
 
 import dataclasses
@@ -21,7 +23,8 @@ def define_flags():
     flags.DEFINE_integer('batch_size', 32, 'Images per step.')
     flags.DEFINE_integer('steps', 5, 'Timed steps per round.')
     flags.DEFINE_integer('rounds', 5, 'Alternating rounds.')
-    flags.DEFINE_list('optimizers', ['sgd', 'lars', 'rmsprop_warmup'], 'Optimizers to time; the first is the base.')
+    flags.DEFINE_list('optimizers', ['sgd', 'lars', 'rmsprop_warmup'], "Optimizers to time (--optimizer's "
+                      "values, or 'sgd_tf_keras': tf_keras's momentum SGD); the first is the base.")
 
 
 def time_optimizers(depth, image_size, batch_size, steps, rounds, optimizers, print_fn=print):
@@ -37,7 +40,11 @@ def time_optimizers(depth, image_size, batch_size, steps, rounds, optimizers, pr
     initial = train.build_network(base).get_weights()
     runners = {}
     for name in optimizers:
-        classifier = train.build_classifier(dataclasses.replace(base, optimizer=name))
+        classifier = train.build_classifier(dataclasses.replace(base, optimizer=name.replace('_tf_keras', '')))
+        if name == 'sgd_tf_keras':   # the same step and schedule with tf_keras's SGD, an op per term of its update
+            classifier.compile(optimizer=keras.optimizers.SGD(classifier.optimizer.learning_rate,
+                                                              momentum=base.momentum), weighted_metrics=[])
+            classifier.optimizer.build(classifier.network.trainable_variables)
         classifier.network.set_weights(initial)
         iterator = iter(data)
         step_timing.warm_up(classifier, iterator)
