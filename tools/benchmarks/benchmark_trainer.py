@@ -7,7 +7,10 @@ and files read at once alike. Theirs is experiment `resnet_imagenet` run by `off
 its task's train step, orbit's loop with --report_every steps per loop); ours is `imagenet-tpu-train`.
 Each run is a fresh process with the same environment, the oneDNN setting included (printed first). Candidates
 alternate, every other round in reverse order (ours, tfm, tfm, ours, ...: step_timing.round_order), for --rounds
-rounds; an even number of rounds gives each candidate each place equally often.
+rounds; an even number of rounds gives each candidate each place equally often. With --turn_reports=N the
+candidates instead start once, as --turn_processes processes each, and take turns (turns.py): one process runs N
+report intervals while the others are stopped, so adjacent turns are seconds apart instead of minutes, no start-up
+is timed, and each candidate's figure is a mean over processes whose speeds differ (docs/benchmarks.md T25).
 
 Steady state: each process's progress reports (our progress lines every --report_every steps, orbit's
 `train | step: N` lines every loop of --report_every steps) are timestamped as they arrive; a run's images/s is
@@ -19,6 +22,7 @@ The last line printed is one JSON object with every run, the medians, ours/tfm (
     python tools/data/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
     make peer    # tf-models-official in .venv-peer (BUILD.md)
     python tools/benchmarks/benchmark_trainer.py --data_dir data/benchmark --peer_python .venv-peer/bin/python
+    python tools/benchmarks/benchmark_trainer.py ... --turn_reports=2 --report_every=5 --rounds=6
 """
 
 import json
@@ -37,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package's oneDNN setting)
 import step_timing  # noqa: E402  (this folder: the benchmarks' round order)
+import turns  # noqa: E402  (this folder: processes taking turns)
 
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Directory of train-*-of-* and validation-*-of-* shards '
                                 '(tools/data/make_benchmark_data.py writes both).')
@@ -53,6 +58,16 @@ _ROUNDS = flags.DEFINE_integer('rounds', 2, 'Alternating rounds (every other one
 _JIT_COMPILE = flags.DEFINE_bool('jit_compile', False, 'XLA-compile both train steps.')
 _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', 10000, 'Records in the shuffle buffer of both.')
 _CYCLE_LENGTH = flags.DEFINE_integer('cycle_length', 10, 'Training files read at once by both.')
+_TURN_REPORTS = flags.DEFINE_integer(
+    'turn_reports', 0, 'With N > 0, the candidates run in turns instead of separate runs (turns.py): each starts '
+    'once, warms up for 2 reports and is paused; then every round each one resumes for N timed report intervals '
+    '(after the report that closes the interval its pause cut), the others stopped. --steps is then what the '
+    'turns need. 0: one fresh process per candidate and round.')
+_TURN_PROCESSES = flags.DEFINE_integer(
+    'turn_processes', 2, 'With --turn_reports: processes per candidate, each taking its own turns; a round\'s figure '
+    'of a candidate is the mean over its processes. Identical training processes differ in speed for their whole '
+    'life (docs/benchmarks.md T25), so one process per candidate measures that process as much as the candidate. '
+    'Each ResNet-50 process holds about 2.5 GB.', lower_bound=1)
 _OURS_FLAGS = flags.DEFINE_list('ours_flags', [], 'Extra flags for our command, e.g. --steps_per_execution=10.')
 
 NUM_CLASSES = 1001   # tf-models-official's ImageNet convention; ours reads the same labels with --label_offset=0
@@ -63,8 +78,8 @@ def count_records(pattern: str) -> int:
     return sum(1 for path in tf.io.gfile.glob(pattern) for _ in tf.data.TFRecordDataset(path))
 
 
-def ours_command(data_dir: str, model_dir: str, num_eval_images: int, extra_flags=()) -> list:
-    steps, batch = _STEPS.value, _BATCH_SIZE.value
+def ours_command(data_dir: str, model_dir: str, num_eval_images: int, extra_flags=(), steps=None) -> list:
+    steps, batch = steps or _STEPS.value, _BATCH_SIZE.value
     return [sys.executable, '-m', 'imagenet_tpu.commands.train', f'--data_dir={data_dir}', f'--model_dir={model_dir}',
             '--depth=50', f'--image_size={_IMAGE_SIZE.value}', f'--num_classes={NUM_CLASSES}', '--label_offset=0',
             f'--num_train_images={steps * batch}', f'--num_eval_images={num_eval_images}',
@@ -76,8 +91,8 @@ def ours_command(data_dir: str, model_dir: str, num_eval_images: int, extra_flag
             f'--jit_compile={str(_JIT_COMPILE.value).lower()}', *_OURS_FLAGS.value, *extra_flags]
 
 
-def tfm_command(data_dir: str, model_dir: str) -> list:
-    steps, size, batch = _STEPS.value, _IMAGE_SIZE.value, _BATCH_SIZE.value
+def tfm_command(data_dir: str, model_dir: str, steps=None) -> list:
+    steps, size, batch = steps or _STEPS.value, _IMAGE_SIZE.value, _BATCH_SIZE.value
     overrides = {
         'runtime': {'distribution_strategy': 'one_device', 'num_gpus': 0, 'enable_xla': _JIT_COMPILE.value,
                     'mixed_precision_dtype': 'float32'},
@@ -133,7 +148,10 @@ def main(argv):
             print(f'error: no {split}-*-of-* files in --data_dir {_DATA_DIR.value} (make them with '
                   'tools/data/make_benchmark_data.py)', file=sys.stderr)
             return 2
-    if _STEPS.value % _REPORT_EVERY.value or _STEPS.value < 2 * _REPORT_EVERY.value:
+    if _TURN_REPORTS.value < 0:
+        print(f'error: --turn_reports={_TURN_REPORTS.value} must be 0 (separate runs) or more', file=sys.stderr)
+        return 2
+    if not _TURN_REPORTS.value and (_STEPS.value % _REPORT_EVERY.value or _STEPS.value < 2 * _REPORT_EVERY.value):
         # Our last report must be a step report, not the epoch-end line printed after evaluation.
         print(f'error: --steps={_STEPS.value} must be a multiple of --report_every={_REPORT_EVERY.value}, '
               'at least twice it', file=sys.stderr)
@@ -151,20 +169,38 @@ def main(argv):
     environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', PYTHONPATH=REPO,
                        **{runtime.ONEDNN_VARIABLE: '1' if facts['onednn'] else '0'})
     num_eval_images = count_records(os.path.join(data_dir, 'validation-*'))
-    runs = {name: [] for name in _CANDIDATES.value}
     scratch = tempfile.mkdtemp(prefix='benchmark_trainer-')
+    steps = (turns.steps_needed(_REPORT_EVERY.value, _ROUNDS.value, _TURN_REPORTS.value, 2)
+             if _TURN_REPORTS.value else _STEPS.value)
+
+    def command(name, model_dir):
+        base, _, extra = name.partition(':')
+        return (ours_command(data_dir, model_dir, num_eval_images, extra.split(), steps) if base == 'ours'
+                else tfm_command(data_dir, model_dir, steps))
+
     try:
-        for round_index in range(_ROUNDS.value):
-            for name in step_timing.round_order(_CANDIDATES.value, round_index):
-                index = _CANDIDATES.value.index(name)
-                model_dir = os.path.join(scratch, f'round{round_index}-candidate{index}')
-                base, _, extra = name.partition(':')
-                command = (ours_command(data_dir, model_dir, num_eval_images, extra.split()) if base == 'ours'
-                           else tfm_command(data_dir, model_dir))
-                result = run_once(name, command, environment)
-                runs[name].append(result)
-                print(f'round {round_index + 1}/{_ROUNDS.value}: {name} {result["images_per_second"]:.2f} images/s '
-                      f'over steps {result["from_step"]}-{result["from_step"] + result["steps_timed"]}', flush=True)
+        if _TURN_REPORTS.value:
+            print(f'in turns: {_ROUNDS.value} rounds of {_TURN_REPORTS.value} x {_REPORT_EVERY.value} steps each, '
+                  f'{_TURN_PROCESSES.value} processes per candidate, {steps} steps per process', flush=True)
+            processes = turns.process_names(_CANDIDATES.value, _TURN_PROCESSES.value)
+            starts = {name: (lambda name=name, index=index: turns.LiveRun(
+                name, command(turns.candidate_of(name), os.path.join(scratch, f'process{index}')),
+                _REPORTS[turns.candidate_of(name).split(':')[0]], cwd=REPO, env=environment))
+                for index, name in enumerate(processes)}
+            rates = turns.by_candidate(turns.take_turns(starts, step_timing.round_order, _ROUNDS.value,
+                                                        _TURN_REPORTS.value, _BATCH_SIZE.value))
+            runs = {name: [{'images_per_second': round(rate, 3)} for rate in values] for name, values in rates.items()}
+        else:
+            runs = {name: [] for name in _CANDIDATES.value}
+            for round_index in range(_ROUNDS.value):
+                for name in step_timing.round_order(_CANDIDATES.value, round_index):
+                    index = _CANDIDATES.value.index(name)
+                    model_dir = os.path.join(scratch, f'round{round_index}-candidate{index}')
+                    result = run_once(name, command(name, model_dir), environment)
+                    runs[name].append(result)
+                    print(f'round {round_index + 1}/{_ROUNDS.value}: {name} {result["images_per_second"]:.2f} '
+                          f'images/s over steps {result["from_step"]}-{result["from_step"] + result["steps_timed"]}',
+                          flush=True)
     except RuntimeError as error:
         print(f'error: {error}', file=sys.stderr)
         return 1
@@ -175,7 +211,7 @@ def main(argv):
     for name, median in medians.items():
         print(f'{name}: {median:.2f} images/s (median of {len(runs[name])})')
     summary = {'environment': facts, 'image_size': _IMAGE_SIZE.value, 'batch_size': _BATCH_SIZE.value,
-               'steps': _STEPS.value, 'jit_compile': _JIT_COMPILE.value, 'runs': runs,
+               'steps': steps, 'turn_reports': _TURN_REPORTS.value, 'jit_compile': _JIT_COMPILE.value, 'runs': runs,
                'images_per_second': {n: round(m, 3) for n, m in medians.items()}}
     if 'tfm' in medians:
         for name in medians:
