@@ -5,12 +5,14 @@ import os
 import signal
 import sys
 import time
+import unittest
 
 import tensorflow as tf
 
 import helpers
 
 sys.path.insert(0, os.path.join(helpers.REPO, 'tools', 'benchmarks'))
+import step_timing  # pylint: disable=wrong-import-position
 import turns  # pylint: disable=wrong-import-position
 
 REPORT = r'^step (\d+) '
@@ -28,12 +30,7 @@ def fake(name, period, steps):
     return lambda: turns.LiveRun(name, [sys.executable, '-c', FAKE_TRAINER, str(period), str(steps)], REPORT)
 
 
-def by_name(names, round_index):
-    """The benchmarks' balanced order: every other round reversed."""
-    return list(names) if round_index % 2 == 0 else list(reversed(names))
-
-
-@__import__('unittest').skipUnless(hasattr(signal, 'SIGSTOP'), 'needs SIGSTOP and SIGCONT (POSIX)')
+@unittest.skipUnless(hasattr(signal, 'SIGSTOP'), 'needs SIGSTOP and SIGCONT (POSIX)')
 class TakeTurnsTest(tf.test.TestCase):
 
     def test_rates_follow_the_processes_speeds_and_only_one_runs_at_a_time(self):
@@ -50,7 +47,7 @@ class TakeTurnsTest(tf.test.TestCase):
         # 'fast' reports every 0.05 s, 'slow' every 0.15 s: 3x the steps per second, at 1 image a step.
         rates = turns.take_turns({'fast': keep('fast', fake('fast', 0.05, steps)),
                                   'slow': keep('slow', fake('slow', 0.15, steps))},
-                                 by_name, rounds, turn_reports, images_per_step=1, warm_reports=warm,
+                                 step_timing.round_order, rounds, turn_reports, images_per_step=1, warm_reports=warm,
                                  timeout=60, print_fn=lambda line: None)
         self.assertEqual({name: len(values) for name, values in rates.items()}, {'fast': rounds, 'slow': rounds})
         for fast, slow in zip(rates['fast'], rates['slow']):
@@ -62,7 +59,7 @@ class TakeTurnsTest(tf.test.TestCase):
         names = [name for _, name in timeline]
         expected = ['fast'] * warm + ['slow'] * warm
         for round_index in range(rounds):
-            for name in by_name(['fast', 'slow'], round_index):
+            for name in step_timing.round_order(['fast', 'slow'], round_index):
                 expected += [name] * (turn_reports + 1)
         self.assertEqual(names, expected)
         for run in started.values():       # every process was ended
@@ -76,8 +73,8 @@ class TakeTurnsTest(tf.test.TestCase):
         with self.assertRaisesRegex(RuntimeError, r'short exited with status 0 after .* progress reports; '
                                                   r'its last lines:\nstep'):
             turns.take_turns({'long': fake('long', 0.02, enough), 'short': fake('short', 0.02, short)},
-                             by_name, rounds, turn_reports, images_per_step=1, warm_reports=warm, timeout=60,
-                             print_fn=lambda line: None)
+                             step_timing.round_order, rounds, turn_reports, images_per_step=1, warm_reports=warm,
+                             timeout=60, print_fn=lambda line: None)
 
     def test_a_silent_process_times_out_and_is_ended(self):
         started = {}
@@ -89,7 +86,7 @@ class TakeTurnsTest(tf.test.TestCase):
 
         begun = time.monotonic()
         with self.assertRaisesRegex(RuntimeError, 'silent sent none for 1 s after 0 progress reports'):
-            turns.take_turns({'silent': silent}, by_name, 1, 1, images_per_step=1, timeout=1,
+            turns.take_turns({'silent': silent}, step_timing.round_order, 1, 1, images_per_step=1, timeout=1,
                              print_fn=lambda line: None)
         self.assertLess(time.monotonic() - begun, 30)
         self.assertIsNotNone(started['run'].process.poll())

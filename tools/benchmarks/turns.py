@@ -9,7 +9,7 @@ A turn's first report closes the interval the pause cut, so it only starts the c
 steps between its first and last report over the time between them. POSIX only (SIGSTOP and SIGCONT).
 
 A training process keeps the speed it starts with: four identical ResNet-50 processes, taking turns, differed by
-up to 14% in one round and kept their order across rounds (docs/benchmarks.md T24). So each candidate runs as
+up to 14% in one round and kept their order across rounds (docs/benchmarks.md T25). So each candidate runs as
 several processes (process_names), each taking its own turns, and a candidate's figure for a round is the mean
 over its processes (by_candidate).
 """
