@@ -92,6 +92,20 @@ class TakeTurnsTest(tf.test.TestCase):
         self.assertIsNotNone(started['run'].process.poll())
 
 
+class FinishTest(tf.test.TestCase):
+
+    def test_every_report_is_passed_on_once_in_order_and_the_exit_status_returned(self):
+        # Reports every 0.05 s, then exits with status 3; some reports arrive before finish is called.
+        run = turns.LiveRun('fake', [sys.executable, '-c', FAKE_TRAINER + 'sys.exit(3)\n', '0.05', '12'], REPORT)
+        run.wait_reports(2, timeout=60)
+        seen = []
+        self.assertEqual(run.finish(lambda step, when: seen.append((step, when))), 3)
+        self.assertEqual([step for step, _ in seen], list(range(1, 13)))
+        self.assertEqual(seen, run.reports)
+        self.assertEqual(sorted(when for _, when in seen), [when for _, when in seen])
+        run.end()         # after its end: nothing to signal
+
+
 class ProcessesPerCandidateTest(tf.test.TestCase):
 
     def test_names_interleave_candidates_and_map_back(self):

@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -119,21 +118,15 @@ _REPORTS = {'ours': re.compile(r'^epoch [\d.]+ step (\d+)/\d+ '), 'tfm': re.comp
 def run_once(name: str, command: list, environment: dict, print_fn=print) -> dict:
     """Runs one training process; returns its steady-state images/s from timestamped progress reports."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, bufsize=1)
-    reports, tail = [], []
-    for line in process.stdout:
-        now = time.perf_counter()
-        tail = (tail + [line])[-30:]
-        match = _REPORTS[name.split(':')[0]].search(line)
-        # Orbit reports step 0 before training and logs each line twice; our epoch-end line repeats the step.
-        if match and int(match.group(1)) > (reports[-1][0] if reports else 0):
-            reports.append((int(match.group(1)), now))
-            print_fn(f'  {name}: step {reports[-1][0]} at {now - started:.1f} s')
-    status = process.wait()
+    run = turns.LiveRun(name, command, _REPORTS[name.split(':')[0]], cwd=REPO, env=environment)
+    try:
+        status = run.finish(lambda step, now: print_fn(f'  {name}: step {step} at {now - started:.1f} s'))
+    finally:
+        run.end()       # a no-op once it has ended; kills it if this process is interrupted
+    reports = run.reports
     if status != 0 or len(reports) < 2:
         raise RuntimeError(f'{name} exited with status {status} after {len(reports)} progress reports; its last '
-                           f'lines:\n{"".join(tail)}')
+                           f'lines:\n{"".join(run.tail)}')
     (first_step, first_time), (last_step, last_time) = reports[0], reports[-1]
     rate = (last_step - first_step) * _BATCH_SIZE.value / (last_time - first_time)
     return {'images_per_second': round(rate, 3), 'steps_timed': last_step - first_step,

@@ -66,6 +66,22 @@ class LiveRun:
                 self._changed.wait(min(left, 1.0))
             return self.reports[start:start + count]
 
+    def finish(self, on_report=None) -> int:
+        """Waits for the process to end, calling ``on_report(step, time)`` for each report as it arrives (those
+        seen before the call too); its exit status."""
+        told = 0
+        while True:
+            with self._changed:
+                while told == len(self.reports) and self._reader.is_alive():
+                    self._changed.wait(1.0)
+                fresh, told = self.reports[told:], len(self.reports)
+                done = not self._reader.is_alive()
+            for step, when in fresh:
+                if on_report:
+                    on_report(step, when)
+            if done and told == len(self.reports):
+                return self.process.wait()
+
     def _signal(self, number):
         if self.process.poll() is None:
             try:
