@@ -50,8 +50,7 @@ peer: $(PEER)/.installed
 # process as much as the trainer).
 benchmark-trainer: $(STAMP) $(PEER)/.installed
 	ls data/benchmark/validation-* >/dev/null 2>&1 || $(BIN)/python tools/data/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
-	$(BIN)/python tools/benchmarks/benchmark_trainer.py --data_dir data/benchmark --peer_python $(PEER)/bin/python \
-		--turn_reports=2 --report_every=5 --rounds=4 --turn_processes=2
+	$(BIN)/python tools/benchmarks/benchmark_trainer.py --data_dir data/benchmark --peer_python $(PEER)/bin/python
 
 clean:
 	rm -rf $(VENV) $(PEER) data/demo runs/demo

@@ -5,12 +5,14 @@ the machine (our --strategy=default, their one_device strategy), float32, XLA of
 crops of 8-100% of the image area and flips, momentum SGD with L2 weight decay 1e-4, 1001 classes, shuffle buffer
 and files read at once alike. Theirs is experiment `resnet_imagenet` run by `official.vision.train` (its parser,
 its task's train step, orbit's loop with --report_every steps per loop); ours is `imagenet-tpu-train`.
-Each run is a fresh process with the same environment, the oneDNN setting included (printed first). Candidates
-alternate, every other round in reverse order (ours, tfm, tfm, ours, ...: step_timing.round_order), for --rounds
-rounds; an even number of rounds gives each candidate each place equally often. With --turn_reports=N the
-candidates instead start once, as --turn_processes processes each, and take turns (turns.py): one process runs N
+Every process gets the same environment, the oneDNN setting included (printed first). By default the candidates
+start once, as --turn_processes processes each, and take turns (--turn_reports=N, turns.py): one process runs N
 report intervals while the others are stopped, so adjacent turns are seconds apart instead of minutes, no start-up
-is timed, and each candidate's figure is a mean over processes whose speeds differ (docs/benchmarks.md T25).
+is timed, and each candidate's figure is a mean over processes whose speeds differ for their whole life
+(docs/benchmarks.md T25). With --turn_reports=0 each run is instead a fresh process, the candidates alternating
+every round. Either way every other round runs in reverse order (ours, tfm, tfm, ours, ...:
+step_timing.round_order), for --rounds rounds; an even number of rounds gives each candidate each place equally
+often.
 
 Steady state: each process's progress reports (our progress lines every --report_every steps, orbit's
 `train | step: N` lines every loop of --report_every steps) are timestamped as they arrive; a run's images/s is
@@ -22,7 +24,7 @@ The last line printed is one JSON object with every run, the medians, ours/tfm (
     python tools/data/make_benchmark_data.py --output_dir data/benchmark --num_images 2000
     make peer    # tf-models-official in .venv-peer (BUILD.md)
     python tools/benchmarks/benchmark_trainer.py --data_dir data/benchmark --peer_python .venv-peer/bin/python
-    python tools/benchmarks/benchmark_trainer.py ... --turn_reports=2 --report_every=5 --rounds=6
+    python tools/benchmarks/benchmark_trainer.py ... --turn_reports=0 --steps=50 --report_every=10   # fresh processes
 """
 
 import json
@@ -51,17 +53,18 @@ _CANDIDATES = flags.DEFINE_list('candidates', ['ours', 'tfm'], "What to run, in 
                                 "model without input) or 'ours:--steps_per_execution=10'.")
 _IMAGE_SIZE = flags.DEFINE_integer('image_size', 128, 'Network input side, in pixels.')
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', 32, 'Global batch, in images.')
-_STEPS = flags.DEFINE_integer('steps', 50, 'Training steps per run.')
-_REPORT_EVERY = flags.DEFINE_integer('report_every', 10, 'Steps between progress reports (orbit: steps per loop).')
-_ROUNDS = flags.DEFINE_integer('rounds', 2, 'Alternating rounds (every other one in reverse order).')
+_STEPS = flags.DEFINE_integer('steps', 50, 'Training steps per run with --turn_reports=0 (in turns each process '
+                               'runs as many as its turns need).')
+_REPORT_EVERY = flags.DEFINE_integer('report_every', 5, 'Steps between progress reports (orbit: steps per loop).')
+_ROUNDS = flags.DEFINE_integer('rounds', 4, 'Alternating rounds (every other one in reverse order).')
 _JIT_COMPILE = flags.DEFINE_bool('jit_compile', False, 'XLA-compile both train steps.')
 _SHUFFLE_BUFFER = flags.DEFINE_integer('shuffle_buffer', 10000, 'Records in the shuffle buffer of both.')
 _CYCLE_LENGTH = flags.DEFINE_integer('cycle_length', 10, 'Training files read at once by both.')
 _TURN_REPORTS = flags.DEFINE_integer(
-    'turn_reports', 0, 'With N > 0, the candidates run in turns instead of separate runs (turns.py): each starts '
-    'once, warms up for 2 reports and is paused; then every round each one resumes for N timed report intervals '
-    '(after the report that closes the interval its pause cut), the others stopped. --steps is then what the '
-    'turns need. 0: one fresh process per candidate and round.')
+    'turn_reports', 2, 'With N > 0, the candidates run in turns (turns.py): each process starts once, warms up '
+    'for 2 reports and is paused; then every round each one resumes for N timed report intervals (after the '
+    'report that closes the interval its pause cut), the others stopped. 0: one fresh process per candidate and '
+    'round, --steps steps each.')
 _TURN_PROCESSES = flags.DEFINE_integer(
     'turn_processes', 2, 'With --turn_reports: processes per candidate, each taking its own turns; a round\'s figure '
     'of a candidate is the mean over its processes. Identical training processes differ in speed for their whole '
