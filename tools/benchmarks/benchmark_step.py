@@ -5,7 +5,11 @@ with Keras's fused batch norm instead of imagenet_tpu.cpu.batch_norm.BatchNormal
 convolutions instead of the tuned convolution.Conv2D (ours_keras_conv, on request), and with LARS
 and batch_norm.GroupBatchNormalization, to show what they cost.
 
-Every model is trained by the same classifier.Classifier step, so only the networks differ. keras.applications'
+Every model is trained by the same classifier.Classifier step, so only the networks differ. Each network is built
+--instances times (interleaved: ours#1, tf_models_official#1, ours#2, ...) and every copy is timed in every round;
+a round's figure of a network is the mean over its copies: identical copies of one network in one process took
+steps up to 5% apart, round after round (docs/benchmarks.md S34), so one copy measures its memory as much as its
+network. keras.applications'
 ResNet50 is v1 (stride on the first 1x1 convolution: 3.86 GMAC per 224x224 image); ours and tf-models-official's
 are v1.5 (stride on the 3x3: 4.09 GMAC): besides images/s the ratios are also given per multiply-add
 (GMAC-normalised), scaled by (image_size / 224)^2. Peak memory is the process's peak RSS after each model's warm-up
@@ -23,10 +27,12 @@ without it that model is skipped and said so.
 
 import json
 import resource
+import statistics
 
 from absl import app, flags
 
 import step_timing  # pylint: disable=wrong-import-position
+import turns  # pylint: disable=wrong-import-position
 
 GMAC_224 = {'ours': 4.09, 'ours_keras_bn': 4.09, 'ours_keras_conv': 4.09, 'ours_lars_groupbn': 4.09,
             'keras_applications': 3.86,
@@ -42,6 +48,8 @@ def define_flags():
     flags.DEFINE_integer('rounds', 5, 'Alternating rounds.')
     flags.DEFINE_list('models', ['ours', 'keras_applications', 'tf_models_official', 'ours_lars_groupbn'],
                       'Models to time; the first is the base of the ratios.')
+    flags.DEFINE_integer('instances', 2, 'Copies of each network, each timed every round; a network\'s figure '
+                         'of a round is the mean over its copies.', lower_bound=1)
     flags.DEFINE_integer('peak_size', 2048, 'Side of the square matrices of the peak measurement.')
     flags.DEFINE_integer('peak_repeats', 10, 'Timed matrix products of the peak measurement (0: no peak '
                          'measurement).', lower_bound=0)
@@ -104,7 +112,10 @@ def main(argv):
                     precision=f.precision)
     data = input_pipeline.synthetic_dataset(config)
     runners, peak_rss_mb, skipped = {}, {}, {}
-    for name in f.models:
+    for copy in (turns.process_names(f.models, f.instances) if f.instances > 1 else f.models):
+        name = turns.candidate_of(copy)
+        if name in skipped:
+            continue
         keras.utils.set_random_seed(0)
         try:
             with train.mixed_precision_policy(f.precision):
@@ -120,27 +131,35 @@ def main(argv):
         classifier = classifier_lib.Classifier(network, global_batch_size=f.batch_size)
         classifier.compile(optimizer=optimizer, jit_compile=f.jit_compile)
         iterator = iter(data)
-        print(f'warming up {name} ({network.count_params():,} parameters) ...', flush=True)
+        print(f'warming up {copy} ({network.count_params():,} parameters) ...', flush=True)
         step_timing.warm_up(classifier, iterator)
-        runners[name] = (classifier, iterator)
-        peak_rss_mb[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    times = step_timing.time_rounds(runners, f.steps, f.rounds)
-    base = next(iter(runners))
+        runners[copy] = (classifier, iterator)
+        peak_rss_mb.setdefault(name, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    copies = step_timing.time_rounds(runners, f.steps, f.rounds)
+    times = turns.by_candidate(copies)
+    if f.instances > 1:
+        print('copies: ' + ', '.join(f'{copy} {1000 * statistics.median(values):.0f} ms'
+                                     for copy, values in copies.items()))
+    base = next(iter(times))
     summary = step_timing.summarize(times, base, f.batch_size)
+    summary['instances'] = f.instances
+    summary['median_step_ms_by_copy'] = {copy: round(1000 * statistics.median(values), 2)
+                                         for copy, values in copies.items()}
     scale = (f.image_size / 224) ** 2
-    gmac_per_second = {n: summary['images_per_second'][n] * GMAC_224[n] * scale for n in runners}
+    names = list(times)
+    gmac_per_second = {n: summary['images_per_second'][n] * GMAC_224[n] * scale for n in names}
     summary['gmac_per_second'] = {n: round(v, 1) for n, v in gmac_per_second.items()}
     summary[f'gmac_normalised_ratio_to_{base}'] = {n: round(v / gmac_per_second[base], 4)
                                                    for n, v in gmac_per_second.items()}
     # FLOPs of a training image: forward, input and weight gradients (3 x the forward), 2 per multiply-add.
-    achieved = {n: summary['images_per_second'][n] * 6 * GMAC_224[n] * 1e9 * scale for n in runners}
+    achieved = {n: summary['images_per_second'][n] * 6 * GMAC_224[n] * 1e9 * scale for n in names}
     summary['achieved_gflops'] = {n: round(v / 1e9, 1) for n, v in achieved.items()}
     peak = matmul_peak_flops(f.peak_size, f.peak_repeats) if f.peak_repeats else None
     if peak:
         summary['matmul_peak_gflops'] = round(peak / 1e9, 1)
         summary['fraction_of_peak'] = {n: round(v / peak, 4) for n, v in achieved.items()}
         print(f'peak: a {f.peak_size} x {f.peak_size} float32 matrix product at {peak / 1e9:.1f} GFLOP/s')
-    for name in runners:
+    for name in names:
         of_peak = f', {achieved[name] / peak:.1%} of the peak' if peak else ''
         print(f'{name}: {gmac_per_second[name]:.1f} GMAC/s, {gmac_per_second[name] / gmac_per_second[base]:.3f}x '
               f'{base} per multiply-add; {achieved[name] / 1e9:.1f} GFLOP/s{of_peak}; peak RSS after warm-up '
