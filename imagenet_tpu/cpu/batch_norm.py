@@ -29,9 +29,11 @@ from imagenet_tpu.distribute import collectives
 FORMULATIONS = ('matmul', 'reduce', 'fused')
 DEFAULT = 'matmul'
 MARGIN = 0.97
-# Maps smaller than this many elements keep 'matmul': timing them would cost more than any formulation saves
-# (ResNet-50's smallest batch-norm map at 128 px and batch 32 has 1.6 million).
-MIN_ELEMENTS = 1_000_000
+# Maps smaller than this many elements keep 'matmul' untimed. Timing a shape takes a fraction of a second once per
+# machine; ResNet-50's smallest batch-norm maps at 128 px and batch 32 (4x4x512, 262,144 elements; 8x8x256) are
+# timed: 16 of its 53 layers, where an earlier limit of a million left them to 'matmul' and Keras's fused kernel
+# was faster (docs/benchmarks.md S37).
+MIN_ELEMENTS = 200_000
 
 
 def places_on_accelerator(devices: Sequence[str]) -> bool:
@@ -121,29 +123,27 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float):
 
 
 @tf.autograph.experimental.do_not_convert     # Python that times eagerly, also when called while tracing
-def measure(shape: Tuple[int, ...], repeats: int = 3, epsilon: float = 1e-3) -> Dict[str, float]:
+def measure(shape: Tuple[int, ...], repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
     """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta)
     of each formulation on float32 maps of ``shape``, each as a tf.function, shortest of ``repeats`` after a
-    warm-up."""
+    warm-up. The formulations take turns run by run, so that a spell in which the machine runs slower (another
+    process, a change of clock) falls on all of them rather than on one."""
     channels = shape[-1]
     x = tf.random.normal(shape) * 0.5 + 1.0
     dy = tf.random.normal(shape)
     gamma, beta = tf.ones([channels]), tf.zeros([channels])
-    seconds = {}
+    runs = {}
     for formulation in FORMULATIONS:
         step = tf.function(lambda x, gamma, beta, dy, formulation=formulation: training_step(
             formulation, x, gamma, beta, dy, epsilon))
-
-        def run():
-            return [value.numpy() for value in step(x, gamma, beta, dy)]
-
-        run()
-        best = float('inf')
-        for _ in range(repeats):
+        runs[formulation] = lambda step=step: [value.numpy() for value in step(x, gamma, beta, dy)]
+        runs[formulation]()
+    seconds = {formulation: float('inf') for formulation in FORMULATIONS}
+    for _ in range(repeats):
+        for formulation, run in runs.items():
             started = time.perf_counter()
             run()
-            best = min(best, time.perf_counter() - started)
-        seconds[formulation] = best
+            seconds[formulation] = min(seconds[formulation], time.perf_counter() - started)
     return seconds
 
 
