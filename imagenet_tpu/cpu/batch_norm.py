@@ -16,6 +16,7 @@ determinism and batches of unknown size keep 'matmul'. The choices are kept per 
 """
 
 import threading
+import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -125,7 +126,8 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float):
 def measure(shape: Tuple[int, ...], repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
     """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta)
     of each formulation on float32 maps of ``shape``, each as a tf.function, shortest of ``repeats`` after a
-    warm-up, the formulations taking turns (tuning.shortest_in_turns)."""
+    warm-up. The formulations take turns run by run, so that a spell in which the machine runs slower (another
+    process, a change of clock) falls on all of them rather than on one."""
     channels = shape[-1]
     x = tf.random.normal(shape) * 0.5 + 1.0
     dy = tf.random.normal(shape)
@@ -135,7 +137,14 @@ def measure(shape: Tuple[int, ...], repeats: int = 10, epsilon: float = 1e-3) ->
         step = tf.function(lambda x, gamma, beta, dy, formulation=formulation: training_step(
             formulation, x, gamma, beta, dy, epsilon))
         runs[formulation] = lambda step=step: [value.numpy() for value in step(x, gamma, beta, dy)]
-    return tuning.shortest_in_turns(runs, repeats)
+        runs[formulation]()
+    seconds = {formulation: float('inf') for formulation in FORMULATIONS}
+    for _ in range(repeats):
+        for formulation, run in runs.items():
+            started = time.perf_counter()
+            run()
+            seconds[formulation] = min(seconds[formulation], time.perf_counter() - started)
+    return seconds
 
 
 def fastest(seconds: Dict[str, float]) -> str:

@@ -26,6 +26,7 @@ for bit. Wherever tuning does not apply, the layer is exactly Keras's.
 
 import dataclasses
 import threading
+import time
 from typing import Callable, Dict, Optional, Tuple
 
 import tensorflow as tf
@@ -152,17 +153,26 @@ def convolve(x, w, problem: Problem, choice: Dict[str, str]):
     return convolution(x, w)
 
 
-def measure(problem: Problem, repeats: int = 5) -> Dict[str, Dict[str, float]]:
-    """Seconds of each applicable formulation of each computation of ``problem``, run eagerly on random maps:
-    the shortest of ``repeats`` runs, the formulations of a computation taking turns (tuning.shortest_in_turns)."""
+def _seconds(run: Callable[[], tf.Tensor], repeats: int) -> float:
+    """Shortest of ``repeats`` timed runs, after one that builds the kernels."""
+    run().numpy()
+    best = float('inf')
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run().numpy()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure(problem: Problem, repeats: int = 3) -> Dict[str, Dict[str, float]]:
+    """Seconds of each applicable formulation of each computation of ``problem``, run eagerly on random maps."""
     x = tf.random.normal(problem.input_shape)
     w = tf.random.normal(problem.filter_shape)
     dy = tf.random.normal(problem.output_shape)
     runs = {'forward': lambda name: forward(name, x, w, problem),
             'input_gradient': lambda name: input_gradient(name, dy, w, problem),
             'filter_gradient': lambda name: filter_gradient(name, x, dy, problem)}
-    return {part: tuning.shortest_in_turns({name: lambda name=name, part=part: runs[part](name).numpy()
-                                            for name in names}, repeats)
+    return {part: {name: _seconds(lambda name=name: runs[part](name), repeats) for name in names}
             for part, names in candidates(problem).items()}
 
 

@@ -16,30 +16,12 @@ import platform
 import sys
 import tempfile
 import threading
-import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
-# 2: formulations timed taking turns (shortest_in_turns), batch norm over 10 runs and on maps from 200,000
-# elements, convolutions over 5 (before: 3 runs each, one formulation after the other; batch norm from a million
-# elements): files of format 1 are timed again.
+# 2: batch norm timed over 10 alternating runs (3 before) and on maps from 200,000 elements (a million before):
+# files of format 1 are timed again.
 FORMAT = 2
 ENVIRONMENT = 'IMAGENET_TPU_CACHE'
-
-
-def shortest_in_turns(runs: Dict[str, Callable[[], Any]], repeats: int) -> Dict[str, float]:
-    """{name: callable that runs one formulation to completion} -> {name: shortest of ``repeats`` timed runs, in
-    seconds}, after one untimed run of each (which builds its kernels). The formulations take turns run by run, so
-    that a spell in which the machine runs slower (another process, a change of clock) falls on all of them
-    rather than on one."""
-    for run in runs.values():
-        run()
-    seconds = {name: float('inf') for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            started = time.perf_counter()
-            run()
-            seconds[name] = min(seconds[name], time.perf_counter() - started)
-    return seconds
 
 
 def cpu_description() -> Dict[str, str]:

@@ -4,7 +4,6 @@ Keras's Conv2D layer."""
 import itertools
 import os
 import tempfile
-import time
 from unittest import mock
 
 from absl.testing import parameterized
@@ -107,23 +106,6 @@ class TuningTest(tf.test.TestCase):
         seconds = convolution.measure(problem, repeats=1)
         self.assertEqual({part: tuple(times) for part, times in seconds.items()}, convolution.candidates(problem))
         self.assertTrue(all(0 < t < 10 for times in seconds.values() for t in times.values()), seconds)
-
-    def test_formulations_take_turns_and_each_keeps_its_shortest_run(self):
-        # Known durations: 'slow' sleeps 20 ms, 'fast' 5 ms, except 'fast''s second timed run (40 ms: a spell of
-        # a slower machine). One untimed run of each, then the two alternate; each keeps its shortest run.
-        calls = []
-
-        def run(name, durations):
-            def call():
-                calls.append(name)
-                time.sleep(durations.pop(0))
-            return call
-
-        seconds = tuning.shortest_in_turns({'slow': run('slow', [0.02] * 4), 'fast': run('fast', [0.005, 0.005,
-                                                                                                0.04, 0.005])}, 3)
-        self.assertEqual(calls, ['slow', 'fast'] * 4)
-        self.assertGreaterEqual(seconds['slow'], 0.02)
-        self.assertBetween(seconds['fast'], 0.005, 0.02)      # a 5 ms run, not the 40 ms one
 
     def test_choose_measures_each_problem_once(self):
         problem = Problem(7, 5, 5, 3, 2, (1, 1), (1, 1), 'SAME')   # used by no other test
