@@ -98,15 +98,32 @@ def build_network(name, image_size):
     raise ValueError(f'unknown model {name!r}')
 
 
+def build_classifier(name: str, image_size: int, batch_size: int, precision: str = 'float32',
+                     jit_compile: bool = False):
+    """Network ``name`` (build_network, from seed 0) in the compiled classifier.Classifier step every model
+    shares: momentum SGD (LARS for ours_lars_groupbn), with loss scaling under mixed_float16. ImportError when the
+    network's package (tf-models-official) is missing."""
+    import tf_keras as keras
+    from imagenet_tpu import train
+    from imagenet_tpu.model import classifier as classifier_lib
+    from imagenet_tpu.optim import lars
+    keras.utils.set_random_seed(0)
+    with train.mixed_precision_policy(precision):
+        network = build_network(name, image_size)
+    optimizer = (lars.LARS(1.0, momentum=0.9, weight_decay=1e-4) if name == 'ours_lars_groupbn'
+                 else keras.optimizers.SGD(0.1, momentum=0.9))
+    if precision == 'mixed_float16':
+        optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+    classifier = classifier_lib.Classifier(network, global_batch_size=batch_size)
+    classifier.compile(optimizer=optimizer, jit_compile=jit_compile)
+    return classifier
+
+
 def main(argv):
     del argv
     step_timing.environment()
     f = flags.FLAGS
-    import tf_keras as keras
-    from imagenet_tpu.model import classifier as classifier_lib
     from imagenet_tpu.data import pipeline as input_pipeline
-    from imagenet_tpu.optim import lars
-    from imagenet_tpu import train
     from imagenet_tpu.config import Config
     config = Config(image_size=f.image_size, global_batch_size=f.batch_size, num_classes=1000,
                     precision=f.precision)
@@ -116,22 +133,14 @@ def main(argv):
         name = turns.candidate_of(copy)
         if name in skipped:
             continue
-        keras.utils.set_random_seed(0)
         try:
-            with train.mixed_precision_policy(f.precision):
-                network = build_network(name, f.image_size)
+            classifier = build_classifier(name, f.image_size, f.batch_size, f.precision, f.jit_compile)
         except ImportError as error:
             skipped[name] = f'{type(error).__name__}: {error}'
             print(f'skipping {name}: {skipped[name]} (install the peer extra)')
             continue
-        optimizer = (lars.LARS(1.0, momentum=0.9, weight_decay=1e-4) if name == 'ours_lars_groupbn'
-                     else keras.optimizers.SGD(0.1, momentum=0.9))
-        if f.precision == 'mixed_float16':
-            optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
-        classifier = classifier_lib.Classifier(network, global_batch_size=f.batch_size)
-        classifier.compile(optimizer=optimizer, jit_compile=f.jit_compile)
         iterator = iter(data)
-        print(f'warming up {copy} ({network.count_params():,} parameters) ...', flush=True)
+        print(f'warming up {copy} ({classifier.network.count_params():,} parameters) ...', flush=True)
         step_timing.warm_up(classifier, iterator)
         runners[copy] = (classifier, iterator)
         peak_rss_mb.setdefault(name, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)

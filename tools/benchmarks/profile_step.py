@@ -72,7 +72,6 @@ def primitive_flops(kind: str, shape: str) -> int:
 
 def parse_log(lines, steps: int) -> dict:
     """oneDNN execution-log lines after the mark -> per kind and per primitive: ms per step, GFLOP per step."""
-    kinds = collections.defaultdict(lambda: [0.0, 0.0])
     primitives = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for line in lines:
         parts = line.rstrip('\n').split(',')
@@ -84,14 +83,16 @@ def parse_log(lines, steps: int) -> dict:
             continue
         kind, implementation, propagation, shape = parts[5], parts[6], parts[7], parts[-2]
         name = KINDS.get((kind, propagation), f'{kind} {propagation}'.replace(' undef', ''))
-        flop = primitive_flops(kind, shape)
-        kinds[name][0] += milliseconds / steps
-        kinds[name][1] += flop / 1e9 / steps
         row = primitives[(name, implementation, shape)]
         row[0] += milliseconds / steps
-        row[1] += flop / 1e9 / steps
+        row[1] += primitive_flops(kind, shape) / 1e9 / steps
         row[2] += 1
-    return {'kinds': {name: {'ms': ms, 'gflop': gflop} for name, (ms, gflop) in kinds.items()},
+    kinds = {}
+    for (name, _, _), (ms, gflop, _) in primitives.items():
+        total = kinds.setdefault(name, {'ms': 0.0, 'gflop': 0.0})
+        total['ms'] += ms
+        total['gflop'] += gflop
+    return {'kinds': kinds,
             'primitives': [{'kind': name, 'implementation': implementation, 'shape': shape, 'ms': ms,
                             'gflop': gflop, 'per_step': count / steps}
                            for (name, implementation, shape), (ms, gflop, count) in primitives.items()]}
@@ -100,15 +101,10 @@ def parse_log(lines, steps: int) -> dict:
 def run_child(name: str) -> None:
     """Builds and warms up one model, marks the log, runs --steps steps and prints their wall time as JSON."""
     import ctypes
-    import tf_keras as keras
     from imagenet_tpu.config import Config
     from imagenet_tpu.data import pipeline as input_pipeline
-    from imagenet_tpu.model import classifier as classifier_lib
     f = flags.FLAGS
-    keras.utils.set_random_seed(0)
-    network = benchmark_step.build_network(name, f.image_size)
-    classifier = classifier_lib.Classifier(network, global_batch_size=f.batch_size)
-    classifier.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    classifier = benchmark_step.build_classifier(name, f.image_size, f.batch_size)
     iterator = iter(input_pipeline.synthetic_dataset(Config(image_size=f.image_size, global_batch_size=f.batch_size,
                                                             num_classes=1000)))
     step_timing.warm_up(classifier, iterator, steps=f.warmup_steps)
