@@ -240,6 +240,18 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
             with open(tuning.CACHE.path) as f:
                 self.assertEqual(json.load(f)['entries']['batch_norm'], {'3,100,100,111': 'reduce'})
 
+    def test_the_cache_is_named_by_whether_onednn_runs_not_by_how_it_was_asked_for(self):
+        from imagenet_tpu import runtime   # pylint: disable=import-outside-toplevel
+        folder = tempfile.mkdtemp(dir=self.get_temp_dir())
+        paths = []
+        for value in ('1', 'true', ''):
+            with mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder, runtime.ONEDNN_VARIABLE: value}):
+                cache = tuning.Cache()
+                cache.put('batch_norm', '1,2,3,4', 'fused')
+                self.assertIs(cache._machine['onednn'], runtime.onednn_enabled())
+                paths.append(cache.path)
+        self.assertLen(set(paths), 1)
+
     def test_a_corrupt_or_foreign_cache_is_ignored_with_one_line(self):
         folder = tempfile.mkdtemp(dir=self.get_temp_dir())
         with mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder}):
