@@ -18,6 +18,8 @@ import tempfile
 import threading
 from typing import Any, Dict, Optional
 
+from imagenet_tpu import runtime
+
 # 2: batch norm timed over 10 alternating runs (3 before) and on maps from 200,000 elements (a million before):
 # files of format 1 are timed again.
 FORMAT = 2
@@ -43,13 +45,12 @@ def cpu_description() -> Dict[str, str]:
 def machine() -> Dict[str, Any]:
     """What makes timings comparable: the CPU, TensorFlow's version, oneDNN and the thread counts."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
     cpu = cpu_description()
     return {'cpu': cpu['model'], 'cpu_flags': hashlib.sha1(cpu['flags'].encode()).hexdigest()[:16],
             'cpus': os.cpu_count(), 'tensorflow': tf.__version__,
             # Whether oneDNN runs, not how it was asked for: TF_ENABLE_ONEDNN_OPTS=1 and TensorFlow's own default
             # on an AVX-512 CPU give the same kernels and share one file.
-            'onednn': bool(_pywrap_util_port.IsMklEnabled()),
+            'onednn': runtime.onednn_enabled(),
             'intra_op_threads': tf.config.threading.get_intra_op_parallelism_threads(),
             'inter_op_threads': tf.config.threading.get_inter_op_parallelism_threads()}
 
