@@ -13,6 +13,11 @@ timed once on the machine, forward and backward: 'matmul' (the statistics as mat
 with TensorFlow's mean reductions) and 'fused' (Keras's fused kernel, the layer's own code). Another formulation
 replaces 'matmul' only when it took at most MARGIN of its time; shapes under MIN_ELEMENTS, runs with op
 determinism and batches of unknown size keep 'matmul'. The choices are kept per machine (tuning.py).
+
+A layer whose output only a ReLU takes (as in ResNet, 33 of its 53) is timed with that ReLU and its gradient, and
+there Keras's fused kernel is the one the others must beat by the margin: TensorFlow's graph optimizer fuses the
+ReLU into it (_FusedBatchNormEx, where oneDNN runs), while after the other formulations the ReLU is a pass of its
+own over the map, which costs more inside the network's step than timed alone (docs/benchmarks.md S44).
 """
 
 import threading
@@ -28,6 +33,8 @@ from imagenet_tpu.distribute import collectives
 
 FORMULATIONS = ('matmul', 'reduce', 'fused')
 DEFAULT = 'matmul'
+# The formulation to beat for maps that only a ReLU takes: the graph optimizer fuses the ReLU into it.
+RELU_DEFAULT = 'fused'
 MARGIN = 0.97
 # Maps smaller than this many elements keep 'matmul' untimed. Timing a shape takes a fraction of a second once per
 # machine; ResNet-50's smallest batch-norm maps at 128 px and batch 32 (4x4x512, 262,144 elements; 8x8x256) are
@@ -106,9 +113,10 @@ def training_output(formulation: str, x, gamma, beta, epsilon: float):
     return normalize_training(x, gamma, beta, epsilon, statistics=formulation)[0]
 
 
-def training_step(formulation: str, x, gamma, beta, dy, epsilon: float):
+def training_step(formulation: str, x, gamma, beta, dy, epsilon: float, relu: bool = False):
     """(y, dx, dgamma, dbeta) of ``formulation``: its forward pass and the kernels its gradient runs, called
-    directly (no GradientTape: timing runs inside tf.init_scope while a step is traced, where tapes are paused)."""
+    directly (no GradientTape: timing runs inside tf.init_scope while a step is traced, where tapes are paused).
+    With ``relu``, of relu(batch norm): y is the ReLU's output and dy the gradient at it."""
     if formulation == 'fused':
         y, _, _, saved_mean, saved_variance, reserve = tf.raw_ops.FusedBatchNormV3(
             x=x, scale=gamma, offset=beta, mean=tf.zeros([0]), variance=tf.zeros([0]), epsilon=epsilon,
@@ -116,6 +124,9 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float):
     else:
         y, saved_mean, saved_variance = normalize_training(x, gamma, beta, epsilon, statistics=formulation)
         reserve = tf.zeros([0], x.dtype)
+    if relu:
+        y = tf.nn.relu(y)
+        dy = tf.raw_ops.ReluGrad(gradients=dy, features=y)
     dx, dgamma, dbeta = tf.raw_ops.FusedBatchNormGradV3(
         y_backprop=dy, x=x, scale=gamma, reserve_space_1=saved_mean, reserve_space_2=saved_variance,
         reserve_space_3=reserve, epsilon=epsilon, data_format='NHWC', is_training=True)[:3]
@@ -123,9 +134,10 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float):
 
 
 @tf.autograph.experimental.do_not_convert     # Python that times eagerly, also when called while tracing
-def measure(shape: Tuple[int, ...], repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
-    """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta)
-    of each formulation on float32 maps of ``shape``, each as a tf.function, shortest of ``repeats`` after a
+def measure(shape: Tuple[int, ...], relu: bool = False, repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
+    """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta;
+    with ``relu``, of a ReLU after it too) of each formulation on float32 maps of ``shape``, each as a
+    tf.function (so with the graph optimizer's fusions), shortest of ``repeats`` after a
     warm-up. The formulations take turns run by run, so that a spell in which the machine runs slower (another
     process, a change of clock) falls on all of them rather than on one."""
     channels = shape[-1]
@@ -135,7 +147,7 @@ def measure(shape: Tuple[int, ...], repeats: int = 10, epsilon: float = 1e-3) ->
     runs = {}
     for formulation in FORMULATIONS:
         step = tf.function(lambda x, gamma, beta, dy, formulation=formulation: training_step(
-            formulation, x, gamma, beta, dy, epsilon))
+            formulation, x, gamma, beta, dy, epsilon, relu))
         runs[formulation] = lambda step=step: [value.numpy() for value in step(x, gamma, beta, dy)]
         runs[formulation]()
     seconds = {formulation: float('inf') for formulation in FORMULATIONS}
@@ -147,20 +159,22 @@ def measure(shape: Tuple[int, ...], repeats: int = 10, epsilon: float = 1e-3) ->
     return seconds
 
 
-def fastest(seconds: Dict[str, float]) -> str:
-    """The formulation of least time if it took at most MARGIN of DEFAULT's, else DEFAULT."""
+def fastest(seconds: Dict[str, float], default: str = DEFAULT) -> str:
+    """The formulation of least time if it took at most MARGIN of ``default``'s, else ``default``."""
     best = min(seconds, key=seconds.get)
-    return best if seconds[best] <= MARGIN * seconds[DEFAULT] else DEFAULT
+    return best if seconds[best] <= MARGIN * seconds[default] else default
 
 
-_choices: Dict[Tuple[int, ...], str] = {}
+_choices: Dict[Tuple[Tuple[int, ...], bool], str] = {}
 _lock = threading.Lock()
 
 
 @tf.autograph.experimental.do_not_convert
-def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_measure: bool = True) -> str:
-    """The formulation for training maps of ``shape``: this process's choice, else the machine's cache's, else
-    (``may_measure``) measured and remembered in both; else DEFAULT. Small maps keep DEFAULT unmeasured."""
+def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_measure: bool = True,
+           relu: bool = False) -> str:
+    """The formulation for training maps of ``shape`` (followed by a ReLU with ``relu``): this process's choice,
+    else the machine's cache's, else (``may_measure``) measured (``measure_fn(shape, relu)``; fastest against
+    RELU_DEFAULT with ``relu``) and remembered in both; else DEFAULT. Small maps keep DEFAULT unmeasured."""
     shape = tuple(int(size) for size in shape)
     elements = 1
     for size in shape:
@@ -168,23 +182,37 @@ def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_meas
     if elements < MIN_ELEMENTS:
         return DEFAULT
     with _lock:
-        if shape not in _choices:
-            key = ','.join(str(size) for size in shape)
+        if (shape, relu) not in _choices:
+            key = ','.join(str(size) for size in shape) + (',relu' if relu else '')
             choice = tuning.CACHE.get('batch_norm', key)
             if choice not in FORMULATIONS:
                 if not may_measure:
                     return DEFAULT
                 with tf.init_scope():      # eagerly, also while a tf.function is being traced
-                    choice = fastest((measure_fn or measure)(shape))
+                    choice = fastest((measure_fn or measure)(shape, relu), RELU_DEFAULT if relu else DEFAULT)
                 tuning.CACHE.put('batch_norm', key, choice)
-            _choices[shape] = choice
-        return _choices[shape]
+            _choices[shape, relu] = choice
+        return _choices[shape, relu]
+
+
+def feeds_only_relu(layer: keras.layers.Layer) -> bool:
+    """Whether the layer's output, in the functional models built from it, goes to plain ReLUs and nothing else
+    (keras.layers.ReLU or Activation('relu') with their defaults: tf.nn.relu, which the graph optimizer fuses)."""
+    consumers = [node.layer for node in getattr(layer, '_outbound_nodes', ())]
+    return bool(consumers) and all(_is_plain_relu(consumer) for consumer in consumers)
+
+
+def _is_plain_relu(layer) -> bool:
+    if isinstance(layer, keras.layers.ReLU):
+        return (layer.max_value is None and float(layer.negative_slope) == 0.0
+                and float(layer.threshold) == 0.0)
+    return isinstance(layer, keras.layers.Activation) and layer.activation is keras.activations.relu
 
 
 def tune_network(network: keras.Model, batch_size: int) -> Dict[Tuple[int, ...], str]:
     """Times every shape of the network's BatchNormalization layers (ours, built, using their own kernels) for
-    batches of ``batch_size`` per replica now, before training starts; returns {shape: formulation}. Nothing with
-    op determinism on."""
+    batches of ``batch_size`` per replica now, before training starts; returns {shape: formulation}, the shapes
+    of layers followed by a ReLU with a last entry 'relu'. Nothing with op determinism on."""
     if tf_config.is_op_determinism_enabled():
         return {}
     choices = {}
@@ -197,7 +225,8 @@ def tune_network(network: keras.Model, batch_size: int) -> Dict[Tuple[int, ...],
             if (isinstance(shape, tuple) and len(shape) == 4 and layer.axis == [3] and layer.dtype == 'float32'
                     and layer.compute_dtype == 'float32' and all(size is not None for size in shape[1:])):
                 full = (batch_size, *shape[1:])
-                choices[full] = choose(full)
+                relu = feeds_only_relu(layer)
+                choices[full + (('relu',) if relu else ())] = choose(full, relu=relu)
     return choices
 
 
@@ -247,14 +276,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
         self.add_update(lambda: self._assign_moving_average(self.moving_variance, unbiased, self.momentum, batch))
         return outputs
 
-    @staticmethod
-    def formulation(shape) -> str:
-        """The training formulation for maps of ``shape`` (choose), DEFAULT where it is not fully known or op
-        determinism is on. A shape not yet timed is timed only under one replica."""
+    def formulation(self, shape) -> str:
+        """The training formulation for maps of ``shape`` (choose; with the ReLU after the layer where only a
+        ReLU takes its output), DEFAULT where it is not fully known or op determinism is on. A shape not yet
+        timed is timed only under one replica."""
         shape = tf.TensorShape(shape)
         if not shape.is_fully_defined() or tf_config.is_op_determinism_enabled():
             return DEFAULT
-        return choose(shape.as_list(), may_measure=tf.distribute.get_strategy().num_replicas_in_sync == 1)
+        return choose(shape.as_list(), may_measure=tf.distribute.get_strategy().num_replicas_in_sync == 1,
+                      relu=feeds_only_relu(self))
 
     def get_config(self):
         config = super().get_config()

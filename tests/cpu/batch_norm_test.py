@@ -15,6 +15,7 @@ import tf_keras as keras
 import helpers
 from imagenet_tpu.cpu import batch_norm as cpu_batch_norm
 from imagenet_tpu.cpu import tuning
+from imagenet_tpu.model import resnet
 
 helpers.use_eight_cpus()
 
@@ -184,8 +185,8 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         self.gamma = rng.uniform(0.5, 1.5, CHANNELS).astype(np.float32)
         self.beta = rng.normal(size=CHANNELS).astype(np.float32)
 
-    @parameterized.parameters(*cpu_batch_norm.FORMULATIONS)
-    def test_each_formulation_equals_numpy(self, formulation):
+    @parameterized.product(formulation=cpu_batch_norm.FORMULATIONS, relu=(False, True))
+    def test_each_formulation_equals_numpy(self, formulation, relu):
         x, gamma, beta = (tf.constant(value) for value in (self.x, self.gamma, self.beta))
         with tf.GradientTape() as tape:
             tape.watch([x, gamma, beta])
@@ -197,10 +198,20 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(dx, edx, atol=1e-5, rtol=1e-5)
         self.assertAllClose(dgamma, (self.upstream * normalized).sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
         self.assertAllClose(dbeta, self.upstream.sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
-        # What the tuner times: the same forward pass and gradient kernels, called directly.
-        timed = cpu_batch_norm.training_step(formulation, x, gamma, beta, tf.constant(self.upstream), EPSILON)
-        for got, expected in zip(timed, (y, dx, dgamma, dbeta)):
-            self.assertAllClose(got, expected, atol=1e-5, rtol=1e-5)
+        # What the tuner times: the same forward pass and gradient kernels, called directly; with a ReLU after
+        # the batch norm, relu(y) and the gradients of the whole through it.
+        timed = cpu_batch_norm.training_step(formulation, x, gamma, beta, tf.constant(self.upstream), EPSILON,
+                                             relu=relu)
+        if relu:
+            positive = ey > 0
+            upstream = np.where(positive, self.upstream, 0.0)
+            _, edx, _, _ = helpers.numpy_batch_norm(self.x, upstream, self.gamma, self.beta, EPSILON)
+            expected = (np.where(positive, ey, 0.0), edx, (upstream * normalized).sum((0, 1, 2)),
+                        upstream.sum((0, 1, 2)))
+        else:
+            expected = (y, dx, dgamma, dbeta)
+        for got, want in zip(timed, expected):
+            self.assertAllClose(got, want, atol=1e-4, rtol=1e-5)
 
     def test_measure_times_every_formulation(self):
         seconds = cpu_batch_norm.measure((2, 4, 4, CHANNELS), repeats=1)
@@ -210,12 +221,14 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
     def test_the_choice_follows_the_timings_beyond_the_margin_and_is_kept_per_machine(self):
         self.assertEqual(cpu_batch_norm.fastest({'matmul': 1.0, 'reduce': 0.99, 'fused': 2.0}), 'matmul')
         self.assertEqual(cpu_batch_norm.fastest({'matmul': 1.0, 'reduce': 0.9, 'fused': 0.5}), 'fused')
+        self.assertEqual(cpu_batch_norm.fastest({'matmul': 0.98, 'reduce': 2.0, 'fused': 1.0}, 'fused'), 'fused')
+        self.assertEqual(cpu_batch_norm.fastest({'matmul': 0.9, 'reduce': 2.0, 'fused': 1.0}, 'fused'), 'matmul')
         shape = (3, 100, 100, 111)          # a shape no other test uses, over MIN_ELEMENTS
         calls = []
 
         def fake(timings):
-            def measure(measured_shape):
-                calls.append(measured_shape)
+            def measure(measured_shape, relu):
+                calls.append(measured_shape + (('relu',) if relu else ()))
                 return timings
             return measure
 
@@ -237,8 +250,40 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 1.0, 'reduce': 2.0, 'fused': 3.0})),
                              'reduce')
             self.assertEqual(calls, [shape])
+            # The same maps followed by a ReLU are a choice of their own, where Keras's fused kernel is the one
+            # to beat by the margin.
+            self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 0.98, 'reduce': 0.99, 'fused': 1.0}),
+                                                   relu=True), 'fused')
+            self.assertEqual(cpu_batch_norm.choose(shape, fake({}), relu=False), 'reduce')
+            self.assertEqual(calls, [shape, shape + ('relu',)])
             with open(tuning.CACHE.path) as f:
-                self.assertEqual(json.load(f)['entries']['batch_norm'], {'3,100,100,111': 'reduce'})
+                self.assertEqual(json.load(f)['entries']['batch_norm'],
+                                 {'3,100,100,111': 'reduce', '3,100,100,111,relu': 'fused'})
+
+    def test_layers_that_feed_only_a_relu_are_timed_with_it(self):
+        network = resnet.resnet(50, 10, image_size=32)
+        norms = [layer for layer in network.layers if isinstance(layer, cpu_batch_norm.BatchNormalization)]
+        followed = {layer.name for layer in norms if cpu_batch_norm.feeds_only_relu(layer)}
+        # ResNet-50: the stem's and the first two of each of the 16 bottlenecks' (the third and the projections'
+        # go to the residual sum).
+        self.assertLen(norms, 53)
+        self.assertEqual(followed, {layer.name for layer in norms
+                                    if layer.name == 'stem_bn' or layer.name.endswith(('_bn1', '_bn2'))})
+        self.assertLen(followed, 33)
+        # A ReLU with a ceiling (ReLU6), another activation, or a second consumer: not the fusable ReLU.
+        def feeds_only_relu(*consumers):
+            inputs = keras.Input((4, 4, 8))
+            norm = cpu_batch_norm.BatchNormalization(cpu_kernels=True)
+            y = norm(inputs)
+            keras.Model(inputs, [consumer(y) for consumer in consumers])
+            return cpu_batch_norm.feeds_only_relu(norm)
+
+        self.assertTrue(feeds_only_relu(keras.layers.Activation('relu')))
+        self.assertTrue(feeds_only_relu(keras.layers.ReLU(), keras.layers.ReLU()))
+        # A ReLU with a ceiling (ReLU6), another activation, or a second consumer: not the fusable ReLU.
+        self.assertFalse(feeds_only_relu(keras.layers.ReLU(max_value=6.0)))
+        self.assertFalse(feeds_only_relu(keras.layers.Activation('tanh')))
+        self.assertFalse(feeds_only_relu(keras.layers.ReLU(), keras.layers.Flatten()))
 
     def test_the_cache_is_named_by_whether_onednn_runs_not_by_how_it_was_asked_for(self):
         from imagenet_tpu import runtime   # pylint: disable=import-outside-toplevel
@@ -277,7 +322,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         layers = [cpu_batch_norm.BatchNormalization(cpu_kernels=True, momentum=MOMENTUM, epsilon=EPSILON),
                   keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON)]
         x = tf.constant(self.x)
-        with mock.patch.object(cpu_batch_norm.BatchNormalization, 'formulation', staticmethod(lambda shape: formulation)):
+        with mock.patch.object(cpu_batch_norm.BatchNormalization, 'formulation', lambda self, shape: formulation):
             results = []
             for layer in layers:
                 with tf.GradientTape() as tape:
