@@ -10,14 +10,15 @@ statistics: the same function and the same variables, so a checkpoint of either 
 Which formulation of the training step is fastest depends on the CPU (AMD without AVX-512 and Intel with it rank
 them differently: docs/benchmarks.md), so, as the convolutions are (convolution.py), each per-replica shape is
 timed once on the machine, forward and backward: 'matmul' (the statistics as matrix products), 'reduce' (the same
-with TensorFlow's mean reductions) and 'fused' (Keras's fused kernel, the layer's own code). Another formulation
-replaces 'matmul' only when it took at most MARGIN of its time; shapes under MIN_ELEMENTS, runs with op
-determinism and batches of unknown size keep 'matmul'. The choices are kept per machine (tuning.py).
+with TensorFlow's mean reductions) and 'fused' (Keras's fused kernel, the layer's own code). Keras's kernel is the
+one to beat: another formulation replaces it only when it took at most MARGIN of its time, so that a close call
+keeps Keras's code rather than flipping with the timing's noise (docs/benchmarks.md B10). Shapes under MIN_ELEMENTS, runs with op determinism and batches of unknown size keep DEFAULT untimed
+('matmul', the fastest on the CPU without AVX-512, B5). The choices are kept per machine (tuning.py).
 
-A layer whose output only a ReLU takes (as in ResNet, 33 of its 53) is timed with that ReLU and its gradient, and
-there Keras's fused kernel is the one the others must beat by the margin: TensorFlow's graph optimizer fuses the
-ReLU into it (_FusedBatchNormEx, where oneDNN runs), while after the other formulations the ReLU is a pass of its
-own over the map, which costs more inside the network's step than timed alone (docs/benchmarks.md S44).
+A layer whose output only a ReLU takes (as in ResNet, 33 of its 53) is timed with that ReLU and its gradient:
+TensorFlow's graph optimizer fuses the ReLU into Keras's kernel (_FusedBatchNormEx, where oneDNN runs), while
+after the other formulations the ReLU is a pass of its own over the map, which costs more inside the network's
+step than timed alone (docs/benchmarks.md S44).
 """
 
 import threading
@@ -32,9 +33,10 @@ from imagenet_tpu.cpu import tuning
 from imagenet_tpu.distribute import collectives
 
 FORMULATIONS = ('matmul', 'reduce', 'fused')
+# What maps that are not timed use.
 DEFAULT = 'matmul'
-# The formulation to beat for maps that only a ReLU takes: the graph optimizer fuses the ReLU into it.
-RELU_DEFAULT = 'fused'
+# The formulation the others must beat by MARGIN on the maps that are timed: Keras's own.
+INCUMBENT = 'fused'
 MARGIN = 0.97
 # Maps smaller than this many elements keep 'matmul' untimed. Timing a shape takes a fraction of a second once per
 # machine; ResNet-50's smallest batch-norm maps at 128 px and batch 32 (4x4x512, 262,144 elements; 8x8x256) are
@@ -159,10 +161,10 @@ def measure(shape: Tuple[int, ...], relu: bool = False, repeats: int = 10, epsil
     return seconds
 
 
-def fastest(seconds: Dict[str, float], default: str = DEFAULT) -> str:
-    """The formulation of least time if it took at most MARGIN of ``default``'s, else ``default``."""
+def fastest(seconds: Dict[str, float], incumbent: str = INCUMBENT) -> str:
+    """The formulation of least time if it took at most MARGIN of ``incumbent``'s, else ``incumbent``."""
     best = min(seconds, key=seconds.get)
-    return best if seconds[best] <= MARGIN * seconds[default] else default
+    return best if seconds[best] <= MARGIN * seconds[incumbent] else incumbent
 
 
 _choices: Dict[Tuple[Tuple[int, ...], bool], str] = {}
@@ -173,8 +175,8 @@ _lock = threading.Lock()
 def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_measure: bool = True,
            relu: bool = False) -> str:
     """The formulation for training maps of ``shape`` (followed by a ReLU with ``relu``): this process's choice,
-    else the machine's cache's, else (``may_measure``) measured (``measure_fn(shape, relu)``; fastest against
-    RELU_DEFAULT with ``relu``) and remembered in both; else DEFAULT. Small maps keep DEFAULT unmeasured."""
+    else the machine's cache's, else (``may_measure``) measured (``measure_fn(shape, relu)``; the fastest against
+    INCUMBENT) and remembered in both; else DEFAULT. Small maps keep DEFAULT unmeasured."""
     shape = tuple(int(size) for size in shape)
     elements = 1
     for size in shape:
@@ -189,7 +191,7 @@ def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_meas
                 if not may_measure:
                     return DEFAULT
                 with tf.init_scope():      # eagerly, also while a tf.function is being traced
-                    choice = fastest((measure_fn or measure)(shape, relu), RELU_DEFAULT if relu else DEFAULT)
+                    choice = fastest((measure_fn or measure)(shape, relu))
                 tuning.CACHE.put('batch_norm', key, choice)
             _choices[shape, relu] = choice
         return _choices[shape, relu]
