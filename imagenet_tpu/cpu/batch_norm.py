@@ -12,8 +12,9 @@ them differently: docs/benchmarks.md), so, as the convolutions are (convolution.
 timed once on the machine, forward and backward: 'matmul' (the statistics as matrix products), 'reduce' (the same
 with TensorFlow's mean reductions) and 'fused' (Keras's fused kernel, the layer's own code). Keras's kernel is the
 one to beat: another formulation replaces it only when it took at most MARGIN of its time, so that a close call
-keeps Keras's code rather than flipping with the timing's noise (docs/benchmarks.md B10). Shapes under MIN_ELEMENTS, runs with op determinism and batches of unknown size keep DEFAULT untimed
-('matmul', the fastest on the CPU without AVX-512, B5). The choices are kept per machine (tuning.py).
+keeps Keras's code rather than flipping with the timing's noise (docs/benchmarks.md B10). Shapes under
+MIN_ELEMENTS, runs with op determinism and batches of unknown size keep DEFAULT untimed ('matmul', the fastest on
+the CPU without AVX-512, B5). The choices are kept per machine (tuning.py).
 
 A layer whose output only a ReLU takes (as in ResNet, 33 of its 53) is timed with that ReLU and its gradient:
 TensorFlow's graph optimizer fuses the ReLU into Keras's kernel (_FusedBatchNormEx, where oneDNN runs), while
