@@ -10,7 +10,12 @@ on CPU"), and the best way to compute it depends on the shape. Each computation 
   input gradient   'convolution' or, for 1x1 filters with stride 1, 'matmul': dY [b*h*w, F] x W^T;
   filter gradient  'convolution', for 1x1 filters 'matmul' (X^T dY), or, for larger filters, 'swapped': the
                    correlation of X with dY computed as a forward convolution whose batch is X's channels, whose
-                   input channels are the images and whose filter is dY (dilated by the stride).
+                   input channels are the images and whose filter is dY (dilated by the stride);
+  and, for larger filters, 'im2col': the forward pass and the filter gradient as one matrix product with the
+                   patches of X ([b*oh*ow, kh*kw*Cin], tf.image.extract_patches), the input gradient (stride 1) as
+                   the forward pass of dY, padded, with the filter turned by 180 degrees. On small maps of many
+                   channels (ResNet-50's last stage) oneDNN's direct kernels run far from the machine's peak and
+                   one large matrix product is faster; elsewhere copying the patches costs more than it saves.
 
 Conv2D times the applicable formulations of each computation once per problem (batch, map size, channels,
 filter, strides, padding) on this machine and uses the fastest of each: an autotuner, as cuDNN's is for GPUs.
@@ -44,6 +49,8 @@ MIN_MULTIPLY_ADDS = 50_000_000
 # Another formulation replaces 'convolution' only when it took at most this fraction of its time, so that a
 # difference within the timing noise does not change the computation from one run to the next.
 MARGIN = 0.97
+# 'im2col' is a candidate only where its patch matrix holds at most this many values (128 MiB of float32).
+MAX_PATCH_VALUES = 1 << 25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +102,17 @@ class Problem:
 
 def candidates(problem: Problem) -> Dict[str, Tuple[str, ...]]:
     """The formulations that apply to each computation of ``problem``; 'convolution' first."""
-    one_by_one = problem.kernel == (1, 1)
-    return {'forward': (DEFAULT, 'matmul') if one_by_one else (DEFAULT,),
-            'input_gradient': (DEFAULT, 'matmul') if one_by_one and problem.strides == (1, 1) else (DEFAULT,),
-            'filter_gradient': (DEFAULT, 'matmul') if one_by_one else (DEFAULT, 'swapped')}
+    stride_one = problem.strides == (1, 1)
+    if problem.kernel == (1, 1):
+        return {'forward': (DEFAULT, 'matmul'), 'input_gradient': (DEFAULT, 'matmul') if stride_one else (DEFAULT,),
+                'filter_gradient': (DEFAULT, 'matmul')}
+    taps = problem.kernel[0] * problem.kernel[1]
+    rows, columns = problem.output_size
+    patches = problem.batch * rows * columns * taps * problem.in_channels <= MAX_PATCH_VALUES
+    output_patches = problem.batch * problem.height * problem.width * taps * problem.filters <= MAX_PATCH_VALUES
+    return {'forward': (DEFAULT, 'im2col') if patches else (DEFAULT,),
+            'input_gradient': (DEFAULT, 'im2col') if stride_one and output_patches else (DEFAULT,),
+            'filter_gradient': (DEFAULT, 'swapped', 'im2col') if patches else (DEFAULT, 'swapped')}
 
 
 def _strided(x, problem: Problem):
@@ -108,9 +122,20 @@ def _strided(x, problem: Problem):
     return x[:, ::problem.strides[0], ::problem.strides[1], :]
 
 
+def _patch_rows(x, kernel, strides, padding):
+    """The patches a filter of ``kernel`` reads from ``x``, one row of kh*kw*channels values (in the filter's HWI
+    order) per output pixel."""
+    patches = tf.image.extract_patches(x, sizes=[1, *kernel, 1], strides=[1, *strides, 1], rates=[1, 1, 1, 1],
+                                       padding=padding)
+    return tf.reshape(patches, [-1, patches.shape[-1]])
+
+
 def forward(formulation: str, x, w, problem: Problem):
     if formulation == DEFAULT:
         return tf.nn.conv2d(x, w, strides=problem.strides, padding=problem.padding)
+    if formulation == 'im2col':
+        rows = _patch_rows(x, problem.kernel, problem.strides, problem.padding)
+        return tf.reshape(tf.matmul(rows, tf.reshape(w, [-1, problem.filters])), problem.output_shape)
     rows = tf.reshape(_strided(x, problem), [-1, problem.in_channels])
     return tf.reshape(tf.matmul(rows, tf.reshape(w, [problem.in_channels, problem.filters])), problem.output_shape)
 
@@ -119,6 +144,14 @@ def input_gradient(formulation: str, dy, w, problem: Problem):
     if formulation == DEFAULT:
         return tf.raw_ops.Conv2DBackpropInput(input_sizes=problem.input_shape, filter=w, out_backprop=dy,
                                               strides=[1, *problem.strides, 1], padding=problem.padding)
+    if formulation == 'im2col':
+        # Stride 1: dX[h, w] = sum over i, j of dY[h + pad_h - i, w + pad_w - j] W[i, j]^T, the VALID correlation of
+        # dY padded by (k - 1 - before, k - 1 - after) with the filter turned by 180 degrees, its channels swapped.
+        padded = tf.pad(dy, [(0, 0), *[(k - 1 - before, k - 1 - after)
+                                       for k, (before, after) in zip(problem.kernel, problem.paddings())], (0, 0)])
+        turned = tf.transpose(tf.reverse(w, axis=[0, 1]), [0, 1, 3, 2])
+        rows = _patch_rows(padded, problem.kernel, (1, 1), 'VALID')
+        return tf.reshape(tf.matmul(rows, tf.reshape(turned, [-1, problem.in_channels])), problem.input_shape)
     rows = tf.matmul(tf.reshape(dy, [-1, problem.filters]), tf.reshape(w, [problem.in_channels, problem.filters]),
                      transpose_b=True)
     return tf.reshape(rows, problem.input_shape)
@@ -130,6 +163,10 @@ def filter_gradient(formulation: str, x, dy, problem: Problem):
                                                strides=[1, *problem.strides, 1], padding=problem.padding)
     if formulation == 'matmul':
         rows = tf.reshape(_strided(x, problem), [-1, problem.in_channels])
+        return tf.reshape(tf.matmul(rows, tf.reshape(dy, [-1, problem.filters]), transpose_a=True),
+                          problem.filter_shape)
+    if formulation == 'im2col':
+        rows = _patch_rows(x, problem.kernel, problem.strides, problem.padding)
         return tf.reshape(tf.matmul(rows, tf.reshape(dy, [-1, problem.filters]), transpose_a=True),
                           problem.filter_shape)
     # dW[i, j, c, f] = sum over n, p, q of X_padded[n, p * sh + i, q * sw + j, c] dY[n, p, q, f]: a VALID

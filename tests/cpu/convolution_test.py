@@ -29,6 +29,10 @@ PROBLEMS = {
     '3x3_stride2_valid': Problem(2, 9, 8, 4, 6, (3, 3), (2, 2), 'VALID'),
     '7x7_stride2': Problem(2, 16, 16, 3, 5, (7, 7), (2, 2), 'SAME'),
     '3x1_strides_2_1_valid': Problem(3, 10, 11, 3, 5, (3, 1), (2, 1), 'VALID'),
+    # Stride 1 with other paddings, for the input gradient as a correlation of dY: VALID, and SAME of an even
+    # filter (padded unevenly: 0 before and 1 after the rows, 1 and 2 around the columns).
+    '3x3_valid': Problem(2, 8, 7, 4, 6, (3, 3), (1, 1), 'VALID'),
+    '2x4_same': Problem(2, 7, 9, 3, 5, (2, 4), (1, 1), 'SAME'),
 }
 
 
@@ -80,6 +84,13 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         # Strided 1x1: the input gradient is TensorFlow's op (it scatters into the skipped pixels).
         self.assertEqual(convolution.candidates(PROBLEMS['1x1_stride2_odd'])['input_gradient'], ('convolution',))
         self.assertEqual(convolution.candidates(PROBLEMS['3x3']),
+                         {'forward': ('convolution', 'im2col'), 'input_gradient': ('convolution', 'im2col'),
+                          'filter_gradient': ('convolution', 'swapped', 'im2col')})
+        # Strided: the input gradient is TensorFlow's op.
+        self.assertEqual(convolution.candidates(PROBLEMS['3x3_stride2_odd'])['input_gradient'], ('convolution',))
+        # Patch matrices over MAX_PATCH_VALUES: no 'im2col' (ResNet-50's stem at 224 px, batch 256: 472 million).
+        stem = Problem(256, 224, 224, 3, 64, (7, 7), (2, 2), 'SAME')
+        self.assertEqual(convolution.candidates(stem),
                          {'forward': ('convolution',), 'input_gradient': ('convolution',),
                           'filter_gradient': ('convolution', 'swapped')})
 
