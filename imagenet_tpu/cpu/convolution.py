@@ -49,7 +49,10 @@ MIN_MULTIPLY_ADDS = 50_000_000
 # Another formulation replaces 'convolution' only when it took at most this fraction of its time, so that a
 # difference within the timing noise does not change the computation from one run to the next.
 MARGIN = 0.97
-# 'im2col' is a candidate only where its patch matrix holds at most this many values (128 MiB of float32).
+# 'im2col' is a candidate only where its patch matrix holds at most this many values per image (1 MiB of float32:
+# ResNet-50's last two stages at 128 and 224 px; it won only on the last, C12, and timing it on larger maps costs
+# seconds at every tuning) and in all (128 MiB).
+MAX_PATCH_VALUES_PER_IMAGE = 1 << 18
 MAX_PATCH_VALUES = 1 << 25
 
 
@@ -108,8 +111,12 @@ def candidates(problem: Problem) -> Dict[str, Tuple[str, ...]]:
                 'filter_gradient': (DEFAULT, 'matmul')}
     taps = problem.kernel[0] * problem.kernel[1]
     rows, columns = problem.output_size
-    patches = problem.batch * rows * columns * taps * problem.in_channels <= MAX_PATCH_VALUES
-    output_patches = problem.batch * problem.height * problem.width * taps * problem.filters <= MAX_PATCH_VALUES
+
+    def fits(per_image):
+        return per_image <= MAX_PATCH_VALUES_PER_IMAGE and problem.batch * per_image <= MAX_PATCH_VALUES
+
+    patches = fits(rows * columns * taps * problem.in_channels)
+    output_patches = fits(problem.height * problem.width * taps * problem.filters)
     return {'forward': (DEFAULT, 'im2col') if patches else (DEFAULT,),
             'input_gradient': (DEFAULT, 'im2col') if stride_one and output_patches else (DEFAULT,),
             'filter_gradient': (DEFAULT, 'swapped', 'im2col') if patches else (DEFAULT, 'swapped')}

@@ -88,11 +88,14 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
                           'filter_gradient': ('convolution', 'swapped', 'im2col')})
         # Strided: the input gradient is TensorFlow's op.
         self.assertEqual(convolution.candidates(PROBLEMS['3x3_stride2_odd'])['input_gradient'], ('convolution',))
-        # Patch matrices over MAX_PATCH_VALUES: no 'im2col' (ResNet-50's stem at 224 px, batch 256: 472 million).
-        stem = Problem(256, 224, 224, 3, 64, (7, 7), (2, 2), 'SAME')
-        self.assertEqual(convolution.candidates(stem),
-                         {'forward': ('convolution',), 'input_gradient': ('convolution',),
-                          'filter_gradient': ('convolution', 'swapped')})
+        # Patch matrices over MAX_PATCH_VALUES_PER_IMAGE or MAX_PATCH_VALUES: no 'im2col'. ResNet-50's stem at
+        # 128 px (602,112 values an image), its last stage at 224 px and batch 32 (225,792) and 256 (58 million).
+        no_im2col = {'forward': ('convolution',), 'input_gradient': ('convolution',),
+                     'filter_gradient': ('convolution', 'swapped')}
+        self.assertEqual(convolution.candidates(Problem(32, 128, 128, 3, 64, (7, 7), (2, 2), 'SAME')), no_im2col)
+        self.assertEqual(convolution.candidates(Problem(32, 7, 7, 512, 512, (3, 3), (1, 1), 'SAME'))['forward'],
+                         ('convolution', 'im2col'))
+        self.assertEqual(convolution.candidates(Problem(256, 7, 7, 512, 512, (3, 3), (1, 1), 'SAME')), no_im2col)
 
     def test_problem_shapes_follow_tensorflow(self):
         for problem in PROBLEMS.values():
