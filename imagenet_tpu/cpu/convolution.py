@@ -197,14 +197,19 @@ def convolve(x, w, problem: Problem, choice: Dict[str, str]):
     return convolution(x, w)
 
 
-def _seconds(run: Callable[[], tf.Tensor], repeats: int) -> float:
-    """Shortest of ``repeats`` timed runs, after one that builds the kernels."""
-    run().numpy()
-    best = float('inf')
-    for _ in range(repeats):
-        started = time.perf_counter()
+def _seconds(runs: Dict[str, Callable[[], tf.Tensor]], repeats: int) -> Dict[str, float]:
+    """Shortest of ``repeats`` timed runs of each of ``runs``, after one each that builds the kernels. The runs
+    take turns, so that a spell in which the machine runs slower (another process, a change of clock) falls on
+    all of them rather than on one: timed one after the other, such a spell once made TensorFlow's op look 27%
+    slower than it is and chose another formulation (docs/benchmarks.md C13)."""
+    for run in runs.values():
         run().numpy()
-        best = min(best, time.perf_counter() - started)
+    best = {name: float('inf') for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run().numpy()
+            best[name] = min(best[name], time.perf_counter() - started)
     return best
 
 
@@ -216,7 +221,7 @@ def measure(problem: Problem, repeats: int = 3) -> Dict[str, Dict[str, float]]:
     runs = {'forward': lambda name: forward(name, x, w, problem),
             'input_gradient': lambda name: input_gradient(name, dy, w, problem),
             'filter_gradient': lambda name: filter_gradient(name, x, dy, problem)}
-    return {part: {name: _seconds(lambda name=name: runs[part](name), repeats) for name in names}
+    return {part: _seconds({name: lambda part=part, name=name: runs[part](name) for name in names}, repeats)
             for part, names in candidates(problem).items()}
 
 
