@@ -27,6 +27,8 @@ class InstalledWheelTest(tf.test.TestCase):
 
     def test_recipes_by_name_train_evaluate_and_classify_from_the_installed_wheel(self):
         root = tempfile.mkdtemp(dir=self.get_temp_dir())
+        # Removed by shutil (tf.test's own clean-up at exit fails on the copied recipes link and logs a traceback).
+        self.addCleanup(shutil.rmtree, root, ignore_errors=True)
         wheels, target, elsewhere = (os.path.join(root, name) for name in ('wheels', 'installed', 'elsewhere'))
         os.makedirs(elsewhere)
         # Built from a copy of the sources: pip builds in the tree it is given, and a build in the checkout
