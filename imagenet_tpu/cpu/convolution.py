@@ -13,7 +13,8 @@ on CPU"), and the best way to compute it depends on the shape. Each computation 
                    input channels are the images and whose filter is dY (dilated by the stride);
   and, for larger filters, 'im2col': the forward pass and the filter gradient as one matrix product with the
                    patches of X ([b*oh*ow, kh*kw*Cin], tf.image.extract_patches), the input gradient (stride 1) as
-                   the forward pass of dY, padded, with the filter turned by 180 degrees. On small maps of many
+                   the forward pass of dY, padded, with the filter turned by 180 degrees and its input and output
+                   channels swapped; timed only on small maps (MAX_PATCH_VALUES_PER_IMAGE). On small maps of many
                    channels (ResNet-50's last stage) oneDNN's direct kernels run far from the machine's peak and
                    one large matrix product is faster; elsewhere copying the patches costs more than it saves.
 
@@ -50,8 +51,8 @@ MIN_MULTIPLY_ADDS = 50_000_000
 # difference within the timing noise does not change the computation from one run to the next.
 MARGIN = 0.97
 # 'im2col' is a candidate only where its patch matrix holds at most this many values per image (1 MiB of float32:
-# ResNet-50's last two stages at 128 and 224 px; it won only on the last, C12, and timing it on larger maps costs
-# seconds at every tuning) and in all (128 MiB).
+# ResNet-50's last two stages at 128 px, its last at 224 px; it won only on the last at 128 px, C12, C13, and timing
+# it on larger maps costs seconds at every tuning) and in all (128 MiB).
 MAX_PATCH_VALUES_PER_IMAGE = 1 << 18
 MAX_PATCH_VALUES = 1 << 25
 
