@@ -121,6 +121,25 @@ class TuningTest(tf.test.TestCase):
         self.assertEqual({part: tuple(times) for part, times in seconds.items()}, convolution.candidates(problem))
         self.assertTrue(all(0 < t < 10 for times in seconds.values() for t in times.values()), seconds)
 
+    def test_each_time_is_of_its_own_formulation_and_they_take_turns(self):
+        # Each formulation's timed runs record its (part, name); measure must time every one once to build its
+        # kernels and then once a turn, all of a computation's formulations in each turn.
+        problem = PROBLEMS['3x3']
+        calls = []
+
+        def recording(part, original):
+            def run(formulation, *args):
+                calls.append((part, formulation))
+                return original(formulation, *args)
+            return run
+
+        with mock.patch.multiple(convolution, **{part: recording(part, getattr(convolution, part))
+                                                 for part in convolution.PARTS}):
+            convolution.measure(problem, repeats=2)
+        for part, names in convolution.candidates(problem).items():
+            ran = [name for p, name in calls if p == part]
+            self.assertEqual(ran, list(names) * 3, part)     # the warm-up turn, then 2 timed turns
+
     def test_choose_measures_each_problem_once(self):
         problem = Problem(7, 5, 5, 3, 2, (1, 1), (1, 1), 'SAME')   # used by no other test
         calls = []
