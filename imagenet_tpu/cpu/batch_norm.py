@@ -23,7 +23,6 @@ step than timed alone (docs/benchmarks.md S44).
 """
 
 import threading
-import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
@@ -140,9 +139,8 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float, relu: bo
 def measure(shape: Tuple[int, ...], relu: bool = False, repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
     """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta;
     with ``relu``, of a ReLU after it too) of each formulation on float32 maps of ``shape``, each as a
-    tf.function (so with the graph optimizer's fusions), shortest of ``repeats`` after a
-    warm-up. The formulations take turns run by run, so that a spell in which the machine runs slower (another
-    process, a change of clock) falls on all of them rather than on one."""
+    tf.function (so with the graph optimizer's fusions), shortest of ``repeats`` after a warm-up, the formulations
+    taking turns run by run (tuning.shortest_in_turns)."""
     channels = shape[-1]
     x = tf.random.normal(shape) * 0.5 + 1.0
     dy = tf.random.normal(shape)
@@ -152,14 +150,7 @@ def measure(shape: Tuple[int, ...], relu: bool = False, repeats: int = 10, epsil
         step = tf.function(lambda x, gamma, beta, dy, formulation=formulation: training_step(
             formulation, x, gamma, beta, dy, epsilon, relu))
         runs[formulation] = lambda step=step: [value.numpy() for value in step(x, gamma, beta, dy)]
-        runs[formulation]()
-    seconds = {formulation: float('inf') for formulation in FORMULATIONS}
-    for _ in range(repeats):
-        for formulation, run in runs.items():
-            started = time.perf_counter()
-            run()
-            seconds[formulation] = min(seconds[formulation], time.perf_counter() - started)
-    return seconds
+    return tuning.shortest_in_turns(runs, repeats)
 
 
 def fastest(seconds: Dict[str, float], incumbent: str = INCUMBENT) -> str:

@@ -32,7 +32,6 @@ for bit. Wherever tuning does not apply, the layer is exactly Keras's.
 
 import dataclasses
 import threading
-import time
 from typing import Callable, Dict, Optional, Tuple
 
 import tensorflow as tf
@@ -198,31 +197,17 @@ def convolve(x, w, problem: Problem, choice: Dict[str, str]):
     return convolution(x, w)
 
 
-def _seconds(runs: Dict[str, Callable[[], tf.Tensor]], repeats: int) -> Dict[str, float]:
-    """Shortest of ``repeats`` timed runs of each of ``runs``, after one each that builds the kernels. The runs
-    take turns, so that a spell in which the machine runs slower (another process, a change of clock) falls on
-    all of them rather than on one: timed one after the other, such a spell once made TensorFlow's op look 27%
-    slower than it is and chose another formulation (docs/benchmarks.md C13)."""
-    for run in runs.values():
-        run().numpy()
-    best = {name: float('inf') for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            started = time.perf_counter()
-            run().numpy()
-            best[name] = min(best[name], time.perf_counter() - started)
-    return best
-
-
 def measure(problem: Problem, repeats: int = 3) -> Dict[str, Dict[str, float]]:
-    """Seconds of each applicable formulation of each computation of ``problem``, run eagerly on random maps."""
+    """Seconds of each applicable formulation of each computation of ``problem``, run eagerly on random maps:
+    shortest of ``repeats`` after a warm-up, a computation's formulations taking turns (tuning.shortest_in_turns)."""
     x = tf.random.normal(problem.input_shape)
     w = tf.random.normal(problem.filter_shape)
     dy = tf.random.normal(problem.output_shape)
     runs = {'forward': lambda name: forward(name, x, w, problem),
             'input_gradient': lambda name: input_gradient(name, dy, w, problem),
             'filter_gradient': lambda name: filter_gradient(name, x, dy, problem)}
-    return {part: _seconds({name: lambda part=part, name=name: runs[part](name) for name in names}, repeats)
+    return {part: tuning.shortest_in_turns({name: lambda part=part, name=name: runs[part](name).numpy()
+                                            for name in names}, repeats)
             for part, names in candidates(problem).items()}
 
 

@@ -16,7 +16,8 @@ import platform
 import sys
 import tempfile
 import threading
-from typing import Any, Dict, Optional
+import time
+from typing import Any, Callable, Dict, Optional
 
 from imagenet_tpu import runtime
 
@@ -28,6 +29,23 @@ from imagenet_tpu import runtime
 # choices of format 3, made without them, are timed again.
 FORMAT = 4
 ENVIRONMENT = 'IMAGENET_TPU_CACHE'
+
+
+def shortest_in_turns(runs: Dict[str, Callable[[], Any]], repeats: int) -> Dict[str, float]:
+    """Seconds of the shortest of ``repeats`` timed calls of each of ``runs`` (each call does all its work,
+    results fetched), after one call each that builds the kernels. The runs take turns, call by call, so that a
+    spell in which the machine runs slower (another process, a change of clock) falls on all of them rather than
+    on one: timed one after the other, such a spell once made TensorFlow's convolution look 27% slower than it is
+    and chose another formulation (docs/benchmarks.md C13)."""
+    for run in runs.values():
+        run()
+    best = {name: float('inf') for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
 
 
 def cpu_description() -> Dict[str, str]:
