@@ -81,8 +81,9 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(convolution.candidates(PROBLEMS['1x1']),
                          {'forward': ('convolution', 'matmul'), 'input_gradient': ('convolution', 'matmul'),
                           'filter_gradient': ('convolution', 'matmul')})
-        # Strided 1x1: the input gradient is TensorFlow's op (it scatters into the skipped pixels).
-        self.assertEqual(convolution.candidates(PROBLEMS['1x1_stride2_odd'])['input_gradient'], ('convolution',))
+        # Strided 1x1 too: the input gradient as a matrix product spread over the pixels the filter read.
+        self.assertEqual(convolution.candidates(PROBLEMS['1x1_stride2_odd'])['input_gradient'],
+                         ('convolution', 'matmul'))
         self.assertEqual(convolution.candidates(PROBLEMS['3x3']),
                          {'forward': ('convolution', 'im2col'), 'input_gradient': ('convolution', 'im2col'),
                           'filter_gradient': ('convolution', 'swapped', 'im2col')})
