@@ -140,11 +140,14 @@ def small_run_flags(**overrides) -> list:
 def tiny_config(**overrides) -> Config:
     """The tests' small training setting: ResNet-10 without normalization layers on 16x16 images of 10 classes,
     global batch 16, 48 training images (3 steps an epoch) and 20 held-out ones, cosine decay from 0.4 without
-    warm-up, weight decay 1e-3, label smoothing 0.1. ``overrides``: any Config fields, applied with
-    dataclasses.replace (so they are validated as Config(...) would)."""
+    warm-up, weight decay 1e-3, label smoothing 0.1, and with --strategy=cpu 2 replicas (each replica's copy of the
+    step is traced, so 8 would trace 4x as much for nothing these tests look at; tests of more replicas pass their
+    own strategy). ``overrides``: any Config fields, applied with dataclasses.replace (so they are validated as
+    Config(...) would)."""
     base = Config(depth=10, norm='none', num_classes=10, image_size=16, global_batch_size=16, eval_batch_size=16,
                   num_train_images=48, num_eval_images=20, base_learning_rate=0.4, warmup_epochs=0,
-                  lr_decay='cosine', train_epochs=1, weight_decay=1e-3, label_smoothing=0.1, momentum=0.9)
+                  lr_decay='cosine', train_epochs=1, weight_decay=1e-3, label_smoothing=0.1, momentum=0.9,
+                  num_cpu_devices=2)
     return dataclasses.replace(base, **overrides)
 
 
