@@ -107,9 +107,9 @@ class Problem:
 
 def candidates(problem: Problem) -> Dict[str, Tuple[str, ...]]:
     """The formulations that apply to each computation of ``problem``; 'convolution' first."""
-    stride_one = problem.strides == (1, 1)
     if problem.kernel == (1, 1):
         return {part: (DEFAULT, 'matmul') for part in PARTS}
+    stride_one = problem.strides == (1, 1)
     taps = problem.kernel[0] * problem.kernel[1]
     rows, columns = problem.output_size
 
