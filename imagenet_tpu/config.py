@@ -212,9 +212,7 @@ class Config:
                                           'formulations once and use the fastest (convolution.py); off: '
                                           "TensorFlow's convolution op throughout. Never with --deterministic.")
     steps_per_execution: Optional[int] = model(None, 'Training steps per host call (default: 100 on TPU, capped '
-                                                     'by an epoch; elsewhere the largest of 1-5 that divides the '
-                                                     "epoch's steps, --checkpoint_every_steps and "
-                                                     '--log_every_steps).', unit='steps', minimum=1)
+                                                     'by an epoch; 1 elsewhere).', unit='steps', minimum=1)
     bn_momentum: float = model(0.9, 'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short '
                                     'runs).')
     bn_epsilon: float = model(1e-5, 'Batch-norm epsilon.')

@@ -243,26 +243,14 @@ def steps_per_execution(config: Config, strategy: tf.distribute.Strategy) -> int
     return default_steps_per_execution(config, strategy_lib.is_tpu_strategy(strategy))
 
 
-# Most steps per host call by default off TPU. Consecutive steps of one call overlap (the next step's first layers
-# start while the last one's updates finish): 5 per call made ResNet-50's step 2.0% shorter on a 2-core AMD EPYC and
-# 0.9% (10 per call) on an Intel Xeon (docs/benchmarks.md S62, S23); more per call would delay a SIGTERM's save
-# and name a diverged step less precisely for little more overlap.
-MAX_STEPS_PER_CALL = 5
-
-
 def default_steps_per_execution(config: Config, on_tpu: bool) -> int:
     """Steps run per host call: as configured, else 100 on TPU (each call is a host round trip), capped by an
-    epoch, and elsewhere the largest of 1..MAX_STEPS_PER_CALL that divides the steps of an epoch, the checkpoint
-    interval and the progress interval, so that every checkpoint, progress line and epoch end falls where it
-    would with one step per call (a call ends at each of them)."""
+    epoch, and 1 elsewhere."""
     if config.steps_per_execution:
         return config.steps_per_execution
     if on_tpu:
         return min(100, config.steps_per_epoch)
-    intervals = [config.steps_per_epoch, config.checkpoint_every_steps]
-    if config.log_every_steps:
-        intervals.append(config.log_every_steps)
-    return max(n for n in range(1, MAX_STEPS_PER_CALL + 1) if all(interval % n == 0 for interval in intervals))
+    return 1
 
 
 def planned_evaluations(config: Config) -> int:

@@ -2,9 +2,7 @@
 divide the batch, and the settings the command line used to apply alone (seed, synthetic data)."""
 
 import dataclasses
-import math
 import os
-import re
 from unittest import mock
 
 import numpy as np
@@ -139,58 +137,6 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         config = dataclasses.replace(self.config, global_batch_size=12)
         with self.assertRaisesRegex(ConfigError, 'global_batch_size=12 is not divisible by the 8 replicas'):
             train.train_and_evaluate(config, helpers.mirrored(8))
-
-
-class StepsPerCallTest(tf.test.TestCase):
-
-    def test_default_off_tpu_is_the_largest_that_divides_every_interval(self):
-        # Reference: the greatest common divisor of the intervals, then its largest divisor up to the cap.
-        for batch, images, checkpoint, log in ((32, 2560, 800, 5), (32, 2560, 1000, 100), (8, 48, 4, 1),
-                                               (16, 48, 1000, 100), (8, 48, 1000, 0), (1024, 1281167, 1000, 100),
-                                               (256, 1281167, 1000, 100), (64, 640, 20, 0)):
-            config = dataclasses.replace(TINY, global_batch_size=batch, eval_batch_size=batch,
-                                         num_cpu_devices=1, num_train_images=images,
-                                         checkpoint_every_steps=checkpoint, log_every_steps=log)
-            common = math.gcd(config.steps_per_epoch, checkpoint, log or config.steps_per_epoch)
-            expected = max(n for n in range(1, train.MAX_STEPS_PER_CALL + 1) if common % n == 0)
-            self.assertEqual(train.default_steps_per_execution(config, on_tpu=False), expected,
-                             (batch, images, checkpoint, log))
-        # tools/benchmarks/benchmark_trainer.py's run: 80 steps an epoch, a checkpoint at 800, lines every 5.
-        benchmark = dataclasses.replace(TINY, global_batch_size=32, eval_batch_size=32, num_cpu_devices=1,
-                                        num_train_images=2560, checkpoint_every_steps=800, log_every_steps=5)
-        self.assertEqual(train.default_steps_per_execution(benchmark, on_tpu=False), 5)
-        self.assertEqual(train.default_steps_per_execution(benchmark, on_tpu=True), 80)     # capped by an epoch
-        explicit = dataclasses.replace(benchmark, steps_per_execution=3)
-        self.assertEqual(train.default_steps_per_execution(explicit, on_tpu=False), 3)
-
-    @pytest.mark.slow
-    def test_checkpoints_and_progress_lines_fall_where_they_do_with_one_step_per_call(self):
-        data_dir = os.path.join(self.get_temp_dir(), 'data')
-        helpers.write_dataset(data_dir, num_classes=4)
-        # 6 steps an epoch, checkpoints and progress lines every 2: 2 steps per call.
-        base = dataclasses.replace(TINY, data_dir=data_dir, num_classes=4, global_batch_size=8, eval_batch_size=8,
-                                   train_epochs=2, checkpoint_every_steps=2, log_every_steps=2, shuffle_buffer=8)
-        self.assertEqual(train.default_steps_per_execution(base, on_tpu=False), 2)
-        runs = {}
-        for name, config in (('default', base), ('one', dataclasses.replace(base, steps_per_execution=1))):
-            config = dataclasses.replace(config, model_dir=os.path.join(self.get_temp_dir(), name))
-            lines, saved = [], []
-            original = checkpointing.save_checkpoint
-
-            def recording(manager, step):
-                saved.append(step)
-                return original(manager, step)
-
-            with mock.patch.object(checkpointing, 'save_checkpoint', recording):
-                train.train_and_evaluate(config, tf.distribute.get_strategy(), print_fn=lines.append)
-            printed = [int(step) for line in lines for step in re.findall(r' step (\d+)/12 ', line)]
-            runs[name] = (sorted(set(saved)), printed)
-        # (That both give the same weights: tests/cpu/step_speed_test.py, with the same batches.)
-        (saved, printed), (saved_one, printed_one) = runs['default'], runs['one']
-        self.assertEqual(saved, [2, 4, 6, 8, 10, 12])
-        self.assertEqual(saved, saved_one)
-        self.assertEqual(printed, printed_one)
-        self.assertContainsSubset([2, 4, 6, 8, 10, 12], printed)
 
 
 if __name__ == '__main__':
