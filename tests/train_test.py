@@ -3,6 +3,7 @@ divide the batch, and the settings the command line used to apply alone (seed, s
 
 import dataclasses
 import os
+import re
 from unittest import mock
 
 import numpy as np
@@ -116,6 +117,16 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         saved = [int(path.rsplit('-', 1)[1]) for path in manager.checkpoints]
         self.assertNotIn(step, saved)
         self.assertTrue(all(s < step for s in saved))
+
+    def test_with_several_steps_per_call_a_divergence_names_the_calls_steps(self):
+        # Keras calls back once per host call (3 steps here, an epoch): the step that diverged is one of them.
+        config = dataclasses.replace(self.config, base_learning_rate=1e30, norm='none', checkpoint_every_steps=3,
+                                     train_epochs=2, steps_per_execution=3)
+        with self.assertRaisesRegex(errors.TrainingDiverged, r'(nan|inf) in steps (\d+)-(\d+);') as caught:
+            train.train_and_evaluate(config, helpers.mirrored(2), print_fn=lambda line: None)
+        first, last = (int(step) for step in re.search(r'in steps (\d+)-(\d+);', caught.exception.args[0]).groups())
+        self.assertEqual((last - first + 1, last % 3), (3, 0))
+        self.assertNotRegex(caught.exception.args[0], 'at step')
 
     def test_input_that_ends_early_stops_the_run_instead_of_shortening_it(self):
         # Keras ends a fit call quietly when its input ends; the training stream is endless, so an end means an

@@ -110,7 +110,8 @@ class Progress(keras.callbacks.Callback):
 class StopOnNonFiniteLoss(keras.callbacks.Callback):
     """Stops training with TrainingDiverged, naming the step, as soon as the loss is not finite or (for a
     Classifier, which notes it in every step) the update made a weight NaN or infinite. It runs before
-    Checkpoints, so the step that diverged is never saved (and the last checkpoint stays the last good one)."""
+    Checkpoints, so the step that diverged is never saved (and the last checkpoint stays the last good one).
+    Keras calls back once per host call: with several steps per call it names the call's steps."""
 
     def on_train_batch_end(self, batch, logs=None):
         loss = (logs or {}).get('loss')
@@ -122,7 +123,10 @@ class StopOnNonFiniteLoss(keras.callbacks.Callback):
         else:
             return
         step = int(self.model.optimizer.iterations.numpy())
-        raise TrainingDiverged(f'{problem} at step {step}; stopped without saving it (the last checkpoint is '
+        per_call = getattr(self.model, '_steps_per_execution', None)
+        per_call = int(per_call.numpy()) if per_call is not None else 1
+        where = f'at step {step}' if per_call <= 1 else f'in steps {step - per_call + 1}-{step}'
+        raise TrainingDiverged(f'{problem} {where}; stopped without saving it (the last checkpoint is '
                                'the last finite one: lower the learning rate, or check the input for bad values)')
 
 
