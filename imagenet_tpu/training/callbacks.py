@@ -123,7 +123,7 @@ class StopOnNonFiniteLoss(keras.callbacks.Callback):
         else:
             return
         step = int(self.model.optimizer.iterations.numpy())
-        per_call = getattr(self.model, '_steps_per_execution', None)
+        per_call = getattr(self.model, 'steps_per_execution', None)    # Keras's variable; None before compile
         per_call = int(per_call.numpy()) if per_call is not None else 1
         where = f'at step {step}' if per_call <= 1 else f'in steps {step - per_call + 1}-{step}'
         raise TrainingDiverged(f'{problem} {where}; stopped without saving it (the last checkpoint is '
