@@ -10,11 +10,16 @@ on CPU"), and the best way to compute it depends on the shape. Each computation 
   input gradient   'convolution' or, for 1x1 filters, 'matmul': dY [b*oh*ow, F] x W^T, spread over the pixels
                    the filter read with zeros between them when it is strided (oneDNN's strided 1x1 kernel for
                    this runs at about half the peak on ResNet-50's last projection, C15);
-  filter gradient  'convolution', for 1x1 filters 'matmul' (X^T dY), or, for larger filters, 'swapped': the
+  filter gradient  'convolution', for 1x1 filters 'matmul' (X^T dY) or 'matmul_swapped' ((dY^T X)^T: the same
+                   product with the operands' roles swapped, which oneDNN blocks differently: 0.88x and 0.91x
+                   'matmul's time for ResNet-50's 256 -> 64 and 256 -> 128 at 32x32, 1.09-1.12x for 64 -> 64 and
+                   64 -> 256; docs/benchmarks.md C17), or, for larger filters, 'swapped': the
                    correlation of X with dY computed as a forward convolution whose batch is X's channels, whose
                    input channels are the images and whose filter is dY (dilated by the stride);
   and, for larger filters, 'im2col': the forward pass and the filter gradient as one matrix product with the
-                   patches of X ([b*oh*ow, kh*kw*Cin], tf.image.extract_patches), the input gradient (stride 1) as
+                   patches of X ([b*oh*ow, kh*kw*Cin]: one shifted view of the padded map per filter tap, taken
+                   as plain slices of a view whose strides are dimensions of their own, side by side; 0.68-0.91x
+                   the time of tf.image.extract_patches, the same values, C16), the input gradient (stride 1) as
                    the forward pass of dY, padded, with the filter turned by 180 degrees and its input and output
                    channels swapped; timed only on small maps (MAX_PATCH_VALUES_PER_IMAGE). On small maps of many
                    channels (ResNet-50's last stage) oneDNN's direct kernels run far from the machine's peak and
@@ -108,7 +113,8 @@ class Problem:
 def candidates(problem: Problem) -> Dict[str, Tuple[str, ...]]:
     """The formulations that apply to each computation of ``problem``; 'convolution' first."""
     if problem.kernel == (1, 1):
-        return {part: (DEFAULT, 'matmul') for part in PARTS}
+        return {'forward': (DEFAULT, 'matmul'), 'input_gradient': (DEFAULT, 'matmul'),
+                'filter_gradient': (DEFAULT, 'matmul', 'matmul_swapped')}
     stride_one = problem.strides == (1, 1)
     taps = problem.kernel[0] * problem.kernel[1]
     rows, columns = problem.output_size
@@ -132,10 +138,26 @@ def _strided(x, problem: Problem):
 
 def _patch_rows(x, kernel, strides, padding):
     """The patches a filter of ``kernel`` reads from ``x``, one row of kh*kw*channels values (in the filter's HWI
-    order) per output pixel."""
-    patches = tf.image.extract_patches(x, sizes=[1, *kernel, 1], strides=[1, *strides, 1], rates=[1, 1, 1, 1],
-                                       padding=padding)
-    return tf.reshape(patches, [-1, patches.shape[-1]])
+    order) per output pixel: tf.image.extract_patches's values. Each tap's pixels are a plain slice of the padded
+    map viewed as [batch, rows / sh, sh, columns / sw, sw, channels] (a strided slice, or extract_patches, copies
+    more slowly); the taps are laid side by side."""
+    batch, height, width, channels = x.shape
+    (kh, kw), (sh, sw) = kernel, strides
+    if padding == 'SAME':
+        out_h, out_w = -(-height // sh), -(-width // sw)
+        pad_h, pad_w = max((out_h - 1) * sh + kh - height, 0), max((out_w - 1) * sw + kw - width, 0)
+        top, left = pad_h // 2, pad_w // 2
+    else:
+        out_h, out_w = (height - kh) // sh + 1, (width - kw) // sw + 1
+        top = left = 0
+    # Padded (or cut) to whole multiples of the strides that hold every tap's last pixel.
+    rows = -(-max((out_h - 1) * sh + kh, height + top) // sh) * sh
+    columns = -(-max((out_w - 1) * sw + kw, width + left) // sw) * sw
+    x = tf.pad(x, [(0, 0), (top, rows - height - top), (left, columns - width - left), (0, 0)])
+    x = tf.reshape(x, [batch, rows // sh, sh, columns // sw, sw, channels])
+    taps = [x[:, i // sh:i // sh + out_h, i % sh, j // sw:j // sw + out_w, j % sw, :]
+            for i in range(kh) for j in range(kw)]
+    return tf.reshape(tf.concat(taps, axis=-1), [-1, kh * kw * channels])
 
 
 def forward(formulation: str, x, w, problem: Problem):
@@ -179,10 +201,12 @@ def filter_gradient(formulation: str, x, dy, problem: Problem):
     if formulation == DEFAULT:
         return tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=problem.filter_shape, out_backprop=dy,
                                                strides=[1, *problem.strides, 1], padding=problem.padding)
-    if formulation == 'matmul':
+    if formulation in ('matmul', 'matmul_swapped'):
         rows = tf.reshape(_strided(x, problem), [-1, problem.in_channels])
-        return tf.reshape(tf.matmul(rows, tf.reshape(dy, [-1, problem.filters]), transpose_a=True),
-                          problem.filter_shape)
+        gradients = tf.reshape(dy, [-1, problem.filters])
+        product = (tf.matmul(rows, gradients, transpose_a=True) if formulation == 'matmul'
+                   else tf.transpose(tf.matmul(gradients, rows, transpose_a=True)))
+        return tf.reshape(product, problem.filter_shape)
     if formulation == 'im2col':
         rows = _patch_rows(x, problem.kernel, problem.strides, problem.padding)
         return tf.reshape(tf.matmul(rows, tf.reshape(dy, [-1, problem.filters]), transpose_a=True),

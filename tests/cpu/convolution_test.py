@@ -77,10 +77,20 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
             for part, value, reference in zip(('output', 'input gradient', 'filter gradient'), got, expected):
                 self.assertAllClose(value, reference, atol=2e-5, rtol=1e-5, msg=f'{names}: {part}')
 
+    @parameterized.named_parameters(*PROBLEMS.items(),
+                                    ('5x3_stride3_2_odd', Problem(2, 11, 10, 3, 4, (5, 3), (3, 2), 'SAME')),
+                                    ('4x4_stride3_valid', Problem(1, 13, 9, 2, 4, (4, 4), (3, 3), 'VALID')))
+    def test_patch_rows_are_extract_patches(self, problem):
+        x = tf.constant(np.random.default_rng(1).normal(size=problem.input_shape), tf.float32)
+        expected = tf.image.extract_patches(x, sizes=[1, *problem.kernel, 1], strides=[1, *problem.strides, 1],
+                                            rates=[1, 1, 1, 1], padding=problem.padding)
+        got = convolution._patch_rows(x, problem.kernel, problem.strides, problem.padding)  # pylint: disable=protected-access
+        self.assertAllEqual(got, tf.reshape(expected, [-1, expected.shape[-1]]))
+
     def test_candidates(self):
         self.assertEqual(convolution.candidates(PROBLEMS['1x1']),
                          {'forward': ('convolution', 'matmul'), 'input_gradient': ('convolution', 'matmul'),
-                          'filter_gradient': ('convolution', 'matmul')})
+                          'filter_gradient': ('convolution', 'matmul', 'matmul_swapped')})
         # Strided 1x1 too: the input gradient as a matrix product spread over the pixels the filter read.
         self.assertEqual(convolution.candidates(PROBLEMS['1x1_stride2_odd'])['input_gradient'],
                          ('convolution', 'matmul'))
