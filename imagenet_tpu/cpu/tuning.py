@@ -28,8 +28,9 @@ from imagenet_tpu import runtime
 # 4: convolutions of larger filters also timed as matrix products of their patches ('im2col'), so that the
 # choices of format 3, made without them, are timed again.
 # 5: the input gradient of strided 1x1 convolutions also timed as a matrix product ('matmul').
-# 6: the filter gradient of 1x1 convolutions also timed as the swapped product ('matmul_swapped'), and patches
-# ('im2col') taken as slices, faster than before: choices of format 5 are timed again.
+# 6: the filter gradient of 1x1 convolutions also timed as the swapped product ('matmul_swapped'), patches
+# ('im2col') taken as slices, and every convolution formulation timed as a tf.function rather than eagerly:
+# choices of format 5 are timed again.
 FORMAT = 6
 ENVIRONMENT = 'IMAGENET_TPU_CACHE'
 

@@ -132,24 +132,50 @@ class TuningTest(tf.test.TestCase):
         self.assertEqual({part: tuple(times) for part, times in seconds.items()}, convolution.candidates(problem))
         self.assertTrue(all(0 < t < 10 for times in seconds.values() for t in times.values()), seconds)
 
-    def test_each_time_is_of_its_own_formulation_and_they_take_turns(self):
-        # Each formulation's timed runs record its (part, name); measure must time every one once to build its
-        # kernels and then once a turn, all of a computation's formulations in each turn.
-        problem = PROBLEMS['3x3']
-        calls = []
+    def test_shortest_in_turns_warms_up_then_takes_turns(self):
+        # Each run records itself and moves a fake clock on by its next duration: one untimed call each, then
+        # ``repeats`` turns in which every run is called once, and each run's shortest timed call.
+        clock, order = [0.0], []
+        durations = {'a': iter([9.0, 0.3, 0.1, 0.2]), 'b': iter([9.0, 0.5, 0.6, 0.4])}
 
-        def recording(part, original):
+        def run(name):
+            def call():
+                order.append(name)
+                clock[0] += next(durations[name])
+            return call
+
+        with mock.patch.object(tuning.time, 'perf_counter', lambda: clock[0]):
+            best = tuning.shortest_in_turns({'a': run('a'), 'b': run('b')}, repeats=3)
+        self.assertEqual(order, ['a', 'b'] * 4)
+        self.assertAlmostEqual(best['a'], 0.1)
+        self.assertAlmostEqual(best['b'], 0.4)
+
+    def test_each_time_is_of_its_own_formulation(self):
+        # Each formulation is made to add its own offset to its result: every run that measure times under a
+        # formulation's name must compute that formulation (a run bound to another name's function would not).
+        # (That the runs take turns is shortest_in_turns's test.)
+        problem = PROBLEMS['3x3']
+        names = sorted({name for names in convolution.candidates(problem).values() for name in names})
+        timed = []
+
+        def offset(original):
             def run(formulation, *args):
-                calls.append((part, formulation))
-                return original(formulation, *args)
+                return original(formulation, *args) + 1000.0 * names.index(formulation)
             return run
 
-        with mock.patch.multiple(convolution, **{part: recording(part, getattr(convolution, part))
-                                                 for part in convolution.PARTS}):
+        def record(runs, repeats):
+            timed.append({name: [run() for _ in range(repeats)] for name, run in runs.items()})
+            return {name: 1.0 for name in runs}
+
+        with mock.patch.multiple(convolution, **{part: offset(getattr(convolution, part))
+                                                 for part in convolution.PARTS}), \
+                mock.patch.object(tuning, 'shortest_in_turns', record):
             convolution.measure(problem, repeats=2)
-        for part, names in convolution.candidates(problem).items():
-            ran = [name for p, name in calls if p == part]
-            self.assertEqual(ran, list(names) * 3, part)     # the warm-up turn, then 2 timed turns
+        self.assertEqual([tuple(runs) for runs in timed], list(convolution.candidates(problem).values()))
+        for runs in timed:
+            for name, values in runs.items():
+                for value in values:     # normal maps: every value of a result is far from the next offset
+                    self.assertLess(np.abs(value - 1000.0 * names.index(name)).max(), 500.0, name)
 
     def test_choose_measures_each_problem_once(self):
         problem = Problem(7, 5, 5, 3, 2, (1, 1), (1, 1), 'SAME')   # used by no other test
