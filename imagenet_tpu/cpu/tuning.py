@@ -28,10 +28,11 @@ from imagenet_tpu import runtime
 # 4: convolutions of larger filters also timed as matrix products of their patches ('im2col'), so that the
 # choices of format 3, made without them, are timed again.
 # 5: the input gradient of strided 1x1 convolutions also timed as a matrix product ('matmul').
-# 6: the filter gradient of 1x1 convolutions also timed as the swapped product ('matmul_swapped'), patches
-# ('im2col') taken as slices, and every convolution formulation timed as a tf.function rather than eagerly:
-# choices of format 5 are timed again.
-FORMAT = 6
+# 6: the filter gradient of 1x1 convolutions also timed as the swapped product ('matmul_swapped'), and patches
+# ('im2col') taken as slices.
+# 7: every convolution formulation timed as a tf.function rather than eagerly (docs/benchmarks.md C19): choices of
+# format 6 and before, made eagerly, are timed again.
+FORMAT = 7
 ENVIRONMENT = 'IMAGENET_TPU_CACHE'
 
 
