@@ -150,7 +150,7 @@ def _patch_rows(x, kernel, strides, padding):
     else:
         out_h, out_w = (height - kh) // sh + 1, (width - kw) // sw + 1
         top = left = 0
-    # Padded (or cut) to whole multiples of the strides that hold every tap's last pixel.
+    # Padded at the end to whole multiples of the strides that hold every tap's last pixel.
     rows = -(-max((out_h - 1) * sh + kh, height + top) // sh) * sh
     columns = -(-max((out_w - 1) * sw + kw, width + left) // sw) * sw
     x = tf.pad(x, [(0, 0), (top, rows - height - top), (left, columns - width - left), (0, 0)])
@@ -232,7 +232,7 @@ def convolve(x, w, problem: Problem, choice: Dict[str, str]):
     return convolution(x, w)
 
 
-@tf.autograph.experimental.do_not_convert     # Python that times eagerly, also when called while tracing
+@tf.autograph.experimental.do_not_convert     # Python that times, also when called while a step is traced
 def measure(problem: Problem, repeats: int = 3) -> Dict[str, Dict[str, float]]:
     """Seconds of each applicable formulation of each computation of ``problem`` on random maps, each as a
     tf.function, as it runs inside a step (run eagerly, a formulation of several ops paid each op's dispatch:
