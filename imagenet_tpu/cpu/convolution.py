@@ -143,13 +143,9 @@ def _patch_rows(x, kernel, strides, padding):
     more slowly); the taps are laid side by side."""
     batch, height, width, channels = x.shape
     (kh, kw), (sh, sw) = kernel, strides
-    if padding == 'SAME':
-        out_h, out_w = -(-height // sh), -(-width // sw)
-        pad_h, pad_w = max((out_h - 1) * sh + kh - height, 0), max((out_w - 1) * sw + kw - width, 0)
-        top, left = pad_h // 2, pad_w // 2
-    else:
-        out_h, out_w = (height - kh) // sh + 1, (width - kw) // sw + 1
-        top = left = 0
+    # The output size and padding of this filter on x (the filter count plays no part in them).
+    shape = Problem(batch, height, width, channels, channels, (kh, kw), (sh, sw), padding)
+    (out_h, out_w), ((top, _), (left, _)) = shape.output_size, shape.paddings()
     # Padded at the end to whole multiples of the strides that hold every tap's last pixel.
     rows = -(-max((out_h - 1) * sh + kh, height + top) // sh) * sh
     columns = -(-max((out_w - 1) * sw + kw, width + left) // sw) * sw
