@@ -141,16 +141,35 @@ def import_tensorflow():
     return tf
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo; platform.processor() elsewhere)."""
+def cpu_description(cpuinfo: str = '/proc/cpuinfo') -> dict:
+    """The CPU as Linux reports it in ``cpuinfo``: model name, family and model number (x86; '' where absent) and
+    sorted flags (ARM's Hardware and Features lines stand for the name and flags). A hypervisor may show only a
+    generic name ('AMD EPYC' for CPUs a generation and twice the speed apart): the family and model number tell
+    them apart. Elsewhere platform.processor() names it."""
+    keys = {'model name': 'model', 'Hardware': 'model', 'cpu family': 'family', 'model': 'model_number',
+            'flags': 'flags', 'Features': 'flags'}
+    found = {}
     try:
-        with open('/proc/cpuinfo') as f:
+        with open(cpuinfo) as f:
             for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
+                name, _, value = line.partition(':')
+                key = keys.get(name.strip())
+                if key and key not in found:
+                    found[key] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return {'model': found.get('model') or platform.processor() or platform.machine(),
+            'family': found.get('family', ''), 'model_number': found.get('model_number', ''),
+            'flags': ' '.join(sorted(found.get('flags', '').split()))}
+
+
+def cpu_model(cpuinfo: str = '/proc/cpuinfo') -> str:
+    """The CPU's model name, with its family and model number where Linux gives them: 'AMD EPYC (family 25,
+    model 17)'."""
+    cpu = cpu_description(cpuinfo)
+    if cpu['family'] and cpu['model_number']:
+        return f"{cpu['model']} (family {cpu['family']}, model {cpu['model_number']})"
+    return cpu['model']
 
 
 def tensorflow_cpu_features() -> str:

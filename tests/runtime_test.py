@@ -4,9 +4,11 @@ The decision is pure logic, tested case by case; what TensorFlow then does with 
 against TensorFlow's own report (IsMklEnabled), since the setting only takes effect before TensorFlow is imported.
 """
 
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import parameterized
 import tensorflow as tf
@@ -55,6 +57,56 @@ class OnednnSettingTest(parameterized.TestCase):
                          real + 'Traceback (most recent call last):\n')
         # Where a driver is loaded, the cuInit line explains a missing GPU: all of it is shown.
         self.assertEqual(runtime.startup_lines_to_show(text, gpu_expected=True), text)
+
+
+# Two processors of an x86 /proc/cpuinfo as a hypervisor shows them (a generic name), and an ARM one.
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+stepping\t: 1
+flags\t\t: fpu sse2 avx2 avx512f fma
+power management:
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 avx512f fma
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 50.00
+Features\t: fp asimd sve
+CPU part\t: 0xd40
+Hardware\t: Neoverse-V1
+"""
+
+
+class CpuDescriptionTest(tf.test.TestCase):
+
+    def write(self, text):
+        with tempfile.NamedTemporaryFile('w', suffix='cpuinfo', delete=False) as f:
+            f.write(text)
+        self.addCleanup(os.remove, f.name)
+        return f.name
+
+    def test_family_and_model_number_tell_apart_cpus_of_one_generic_name(self):
+        path = self.write(X86_CPUINFO)
+        self.assertEqual(runtime.cpu_description(path), {'model': 'AMD EPYC', 'family': '25', 'model_number': '17',
+                                                         'flags': 'avx2 avx512f fma fpu sse2'})
+        self.assertEqual(runtime.cpu_model(path), 'AMD EPYC (family 25, model 17)')
+        zen5 = self.write(X86_CPUINFO.replace('family\t: 25', 'family\t: 26').replace('model\t\t: 17', 'model\t\t: 2'))
+        self.assertEqual(runtime.cpu_model(zen5), 'AMD EPYC (family 26, model 2)')
+
+    def test_arm_hardware_and_features_and_no_file(self):
+        arm = runtime.cpu_description(self.write(ARM_CPUINFO))
+        self.assertEqual((arm['model'], arm['family'], arm['flags']), ('Neoverse-V1', '', 'asimd fp sve'))
+        self.assertEqual(runtime.cpu_model(self.write(ARM_CPUINFO)), 'Neoverse-V1')
+        missing = runtime.cpu_description('/nonexistent/cpuinfo')
+        self.assertEqual(missing['model'], platform.processor() or platform.machine())
+        self.assertEqual(missing['flags'], '')
 
 
 class FreshProcessTest(tf.test.TestCase):

@@ -1,9 +1,9 @@
 """What the CPU tuners measured, kept per machine, so that a resumed or repeated run does not time again.
 
 The convolution and batch-norm tuners (convolution.py, batch_norm.py) time their formulations once per shape on
-the machine they run on. Their choices are written to a cache file named by the machine: the CPU model and flags
-(/proc/cpuinfo), the TensorFlow version, whether oneDNN is on and the threads TensorFlow uses, so that a file never
-answers for another machine or setting. The folder is ``$IMAGENET_TPU_CACHE``, else
+the machine they run on. Their choices are written to a cache file named by the machine: the CPU's model, family,
+model number and flags (/proc/cpuinfo), the TensorFlow version, whether oneDNN is on and the threads TensorFlow
+uses, so that a file never answers for another machine or setting. The folder is ``$IMAGENET_TPU_CACHE``, else
 ``$XDG_CACHE_HOME/imagenet_tpu``, else ``~/.cache/imagenet_tpu``; ``IMAGENET_TPU_CACHE=off`` keeps nothing.
 A file that cannot be read, is not the cache's JSON, or names another machine is ignored with one line (the
 shapes are timed again and the file rewritten); one that cannot be written leaves the run untimed next time only.
@@ -12,7 +12,6 @@ shapes are timed again and the file rewritten); one that cannot be written leave
 import hashlib
 import json
 import os
-import platform
 import sys
 import tempfile
 import threading
@@ -53,27 +52,12 @@ def shortest_in_turns(runs: Dict[str, Callable[[], Any]], repeats: int) -> Dict[
     return best
 
 
-def cpu_description() -> Dict[str, str]:
-    """The CPU's model name and its flags, as Linux reports them (platform.processor() elsewhere)."""
-    found = {}
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                name, _, value = line.partition(':')
-                name = {'Hardware': 'model name', 'Features': 'flags'}.get(name.strip(), name.strip())
-                if name in ('model name', 'flags') and name not in found:
-                    found[name] = value.strip()
-    except OSError:
-        pass
-    return {'model': found.get('model name') or platform.processor() or platform.machine(),
-            'flags': ' '.join(sorted(found.get('flags', '').split()))}
-
-
 def machine() -> Dict[str, Any]:
     """What makes timings comparable: the CPU, TensorFlow's version, oneDNN and the thread counts."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    cpu = cpu_description()
-    return {'cpu': cpu['model'], 'cpu_flags': hashlib.sha1(cpu['flags'].encode()).hexdigest()[:16],
+    cpu = runtime.cpu_description()
+    return {'cpu': cpu['model'], 'cpu_family': cpu['family'], 'cpu_model_number': cpu['model_number'],
+            'cpu_flags': hashlib.sha1(cpu['flags'].encode()).hexdigest()[:16],
             'cpus': os.cpu_count(), 'tensorflow': tf.__version__,
             # Whether oneDNN runs, not how it was asked for: TF_ENABLE_ONEDNN_OPTS=1 and TensorFlow's own default
             # on an AVX-512 CPU give the same kernels and share one file.
