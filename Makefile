@@ -23,9 +23,11 @@ demo: $(STAMP)
 	$(BIN)/python tools/plots/plot_metrics.py --model_dir runs/demo
 
 # Two pytest processes (pytest-xdist), each test file in one of them: most of a test's time is tracing, which
-# runs on one core. TEST_JOBS=1 runs the suite in one process.
+# runs on one core. Files are handed out in the order tests/conftest.py sets (files with slow tests first);
+# --no-loadscope-reorder keeps pytest-xdist from reordering them by their number of tests. TEST_JOBS=1 runs the
+# suite in one process.
 TEST_JOBS ?= 2
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 1,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PYTEST) tests
