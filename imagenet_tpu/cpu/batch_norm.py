@@ -10,7 +10,8 @@ statistics: the same function and the same variables, so a checkpoint of either 
 Which formulation of the training step is fastest depends on the CPU (AMD without AVX-512 and Intel with it rank
 them differently: docs/benchmarks.md), so, as the convolutions are (convolution.py), each per-replica shape is
 timed once on the machine, forward and backward: 'matmul' (the statistics as matrix products), 'reduce' (the same
-with TensorFlow's mean reductions) and 'fused' (Keras's fused kernel, the layer's own code). Keras's kernel is the
+with TensorFlow's mean reductions), 'fused' (Keras's fused kernel, the layer's own code) and, where the machine
+can compile them, 'native' (our own kernels, native.py: fewer passes over the map). Keras's kernel is the
 one to beat: another formulation replaces it only when it took at most MARGIN of its time, so that a close call
 keeps Keras's code rather than flipping with the timing's noise (docs/benchmarks.md B10). Shapes under
 MIN_ELEMENTS, runs with op determinism and batches of unknown size keep DEFAULT untimed ('matmul', the fastest on
@@ -18,8 +19,10 @@ the CPU without AVX-512, B5). The choices are kept per machine (tuning.py).
 
 A layer whose output only a ReLU takes (as in ResNet, 33 of its 53) is timed with that ReLU and its gradient:
 TensorFlow's graph optimizer fuses the ReLU into Keras's kernel (_FusedBatchNormEx, where oneDNN runs), while
-after the other formulations the ReLU is a pass of its own over the map, which costs more inside the network's
-step than timed alone (docs/benchmarks.md S44).
+after 'matmul' and 'reduce' the ReLU is a pass of its own over the map, which costs more inside the network's
+step than timed alone (docs/benchmarks.md S44). Our kernels apply the ReLU themselves where only ReLU layers of
+this module take the output (ReLU below, which passes on what they rectified), and recompute its mask from x in
+the backward pass: no ReLU op runs in either direction (docs/benchmarks.md B13).
 """
 
 import threading
@@ -29,10 +32,10 @@ import tensorflow as tf
 import tf_keras as keras
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: no public API
 
-from imagenet_tpu.cpu import tuning
+from imagenet_tpu.cpu import native, tuning
 from imagenet_tpu.distribute import collectives
 
-FORMULATIONS = ('matmul', 'reduce', 'fused')
+FORMULATIONS = ('matmul', 'reduce', 'fused', 'native')
 # What maps that are not timed use.
 DEFAULT = 'matmul'
 # The formulation the others must beat by MARGIN on the maps that are timed: Keras's own.
@@ -108,8 +111,34 @@ def normalize_training(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon:
     return normalize(x, gamma, beta)
 
 
+def normalize_native(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float, relu: bool = False):
+    """normalize_training's (y, batch mean, biased batch variance) by our own kernels (native.py,
+    kernels/batch_norm.cc); with ``relu``, y is relu(batch norm) and its gradient goes through the ReLU, so that no
+    ReLU op follows (the kernels recompute its mask from x)."""
+    kernels = native.library()
+
+    @tf.custom_gradient
+    def normalize(x, gamma, beta):
+        y, mean, variance = kernels.imagenet_tpu_batch_norm(x, gamma, beta, epsilon=epsilon, relu=relu)
+
+        def gradient(dy, *unused_statistics_gradients):
+            return tuple(kernels.imagenet_tpu_batch_norm_grad(dy, x, gamma, beta, mean, variance, epsilon=epsilon,
+                                                              relu=relu))
+
+        return (y, tf.stop_gradient(mean), tf.stop_gradient(variance)), gradient
+
+    return normalize(x, gamma, beta)
+
+
+def formulations() -> Tuple[str, ...]:
+    """The FORMULATIONS this machine can run: 'native' only where our kernels build and load (native.py)."""
+    return tuple(name for name in FORMULATIONS if name != 'native' or native.available())
+
+
 def training_output(formulation: str, x, gamma, beta, epsilon: float):
     """The training-mode output of ``formulation`` (FORMULATIONS)."""
+    if formulation == 'native':
+        return normalize_native(x, gamma, beta, epsilon)[0]
     if formulation == 'fused':
         return tf.compat.v1.nn.fused_batch_norm(x, gamma, beta, epsilon=epsilon, is_training=True)[0]
     return normalize_training(x, gamma, beta, epsilon, statistics=formulation)[0]
@@ -119,6 +148,11 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float, relu: bo
     """(y, dx, dgamma, dbeta) of ``formulation``: its forward pass and the kernels its gradient runs, called
     directly (no GradientTape: timing runs inside tf.init_scope while a step is traced, where tapes are paused).
     With ``relu``, of relu(batch norm): y is the ReLU's output and dy the gradient at it."""
+    if formulation == 'native':
+        kernels = native.library()
+        y, mean, variance = kernels.imagenet_tpu_batch_norm(x, gamma, beta, epsilon=epsilon, relu=relu)
+        return (y, *kernels.imagenet_tpu_batch_norm_grad(dy, x, gamma, beta, mean, variance, epsilon=epsilon,
+                                                          relu=relu))
     if formulation == 'fused':
         y, _, _, saved_mean, saved_variance, reserve = tf.raw_ops.FusedBatchNormV3(
             x=x, scale=gamma, offset=beta, mean=tf.zeros([0]), variance=tf.zeros([0]), epsilon=epsilon,
@@ -146,7 +180,7 @@ def measure(shape: Tuple[int, ...], relu: bool = False, repeats: int = 10, epsil
     dy = tf.random.normal(shape)
     gamma, beta = tf.ones([channels]), tf.zeros([channels])
     runs = {}
-    for formulation in FORMULATIONS:
+    for formulation in formulations():
         step = tf.function(lambda x, gamma, beta, dy, formulation=formulation: training_step(
             formulation, x, gamma, beta, dy, epsilon, relu))
         runs[formulation] = lambda step=step: [value.numpy() for value in step(x, gamma, beta, dy)]
@@ -179,7 +213,7 @@ def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_meas
         if (shape, relu) not in _choices:
             key = ','.join(str(size) for size in shape) + (',relu' if relu else '')
             choice = tuning.CACHE.get('batch_norm', key)
-            if choice not in FORMULATIONS:
+            if choice not in formulations():
                 if not may_measure:
                     return DEFAULT
                 with tf.init_scope():      # eagerly, also while a tf.function is being traced
@@ -189,11 +223,13 @@ def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_meas
         return _choices[shape, relu]
 
 
-def feeds_only_relu(layer: keras.layers.Layer) -> bool:
+def feeds_only_relu(layer: keras.layers.Layer, kind: Optional[type] = None) -> bool:
     """Whether the layer's output, in the functional models built from it, goes to plain ReLUs and nothing else
-    (keras.layers.ReLU or Activation('relu') with their defaults: tf.nn.relu, which the graph optimizer fuses)."""
+    (keras.layers.ReLU or Activation('relu') with their defaults: tf.nn.relu, which the graph optimizer fuses);
+    with ``kind``, to plain ReLUs of that class."""
     consumers = [node.layer for node in getattr(layer, '_outbound_nodes', ())]
-    return bool(consumers) and all(_is_plain_relu(consumer) for consumer in consumers)
+    return bool(consumers) and all(_is_plain_relu(consumer) and (kind is None or isinstance(consumer, kind))
+                                   for consumer in consumers)
 
 
 def _is_plain_relu(layer) -> bool:
@@ -260,7 +296,13 @@ class BatchNormalization(keras.layers.BatchNormalization):
         formulation = self.formulation(inputs.shape)
         if formulation == 'fused':
             return super().call(inputs, training=training, mask=mask)
-        outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon, formulation)
+        # Our kernels apply the ReLU where only our ReLU layers take the output (they pass it on), so that no
+        # ReLU op runs in either direction.
+        rectify = formulation == 'native' and feeds_only_relu(self, ReLU)
+        if formulation == 'native':
+            outputs, mean, variance = normalize_native(inputs, self.gamma, self.beta, self.epsilon, relu=rectify)
+        else:
+            outputs, mean, variance = normalize_training(inputs, self.gamma, self.beta, self.epsilon, formulation)
         count = tf.cast(tf.size(inputs, tf.int64) // tf.shape(inputs, tf.int64)[-1], variance.dtype)
         unbiased = variance * count / tf.maximum(count - 1.0, 1.0)
         # Under a strategy a replica may get an empty batch: as Keras, it leaves the moving statistics alone
@@ -268,6 +310,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         batch = tf.shape(inputs)[0] if self._support_zero_size_input() else None
         self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, batch))
         self.add_update(lambda: self._assign_moving_average(self.moving_variance, unbiased, self.momentum, batch))
+        if rectify:
+            setattr(outputs, RECTIFIED, True)     # the ReLU after the layer passes it on (ReLU below)
         return outputs
 
     def formulation(self, shape) -> str:
@@ -284,3 +328,23 @@ class BatchNormalization(keras.layers.BatchNormalization):
         config = super().get_config()
         config.update(cpu_kernels=self.cpu_kernels)
         return config
+
+
+# The attribute that marks a tensor as a batch norm's output already passed through its ReLU.
+RECTIFIED = '_imagenet_tpu_rectified'
+
+
+@keras.utils.register_keras_serializable('imagenet_tpu')
+class ReLU(keras.layers.ReLU):
+    """keras.layers.ReLU, which passes on unchanged what a BatchNormalization with our own kernels ('native')
+    already rectified: that layer, when only ReLU layers of this class take its output, applies the ReLU in its
+    kernels (and its gradient), and max(y, 0) = y on what it returns. Anything else is Keras's ReLU.
+
+    So in training mode on a CPU-only machine such a batch norm's own output is already rectified: a model that
+    ends at it (a feature extractor cut at the batch norm rather than at its ReLU) returns relu(batch norm) when
+    called with training=True. Inference (training=False) never uses these kernels."""
+
+    def call(self, inputs):
+        if getattr(inputs, RECTIFIED, False):
+            return inputs
+        return super().call(inputs)

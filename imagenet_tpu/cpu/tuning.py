@@ -31,7 +31,9 @@ from imagenet_tpu import runtime
 # ('im2col') taken as slices.
 # 7: every convolution formulation timed as a tf.function rather than eagerly (docs/benchmarks.md C19): choices of
 # format 6 and before, made eagerly, are timed again.
-FORMAT = 7
+# 8: batch norm also timed with our own kernels ('native', native.py), so that choices of format 7, made without
+# them, are timed again.
+FORMAT = 8
 ENVIRONMENT = 'IMAGENET_TPU_CACHE'
 
 

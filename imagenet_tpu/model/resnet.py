@@ -67,7 +67,7 @@ def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str, co
         shortcut = conv(filters, 1, strides, f'{name}_proj')(x)
         shortcut = norm(f'{name}_proj_bn', False)(shortcut)
     x = conv(filters, 3, strides, f'{name}_conv1')(x)
-    x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
+    x = cpu.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
     x = conv(filters, 3, 1, f'{name}_conv2')(x)
     x = norm(f'{name}_bn2', True)(x)
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
@@ -80,9 +80,9 @@ def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: st
         shortcut = conv(out_filters, 1, strides, f'{name}_proj')(x)
         shortcut = norm(f'{name}_proj_bn', False)(shortcut)
     x = conv(filters, 1, 1, f'{name}_conv1')(x)
-    x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
+    x = cpu.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
     x = conv(filters, 3, strides, f'{name}_conv2')(x)  # v1.5: the stride sits on the 3x3 convolution
-    x = keras.layers.ReLU(name=f'{name}_relu2')(norm(f'{name}_bn2', False)(x))
+    x = cpu.ReLU(name=f'{name}_relu2')(norm(f'{name}_bn2', False)(x))
     x = conv(out_filters, 1, 1, f'{name}_conv3')(x)
     x = norm(f'{name}_bn3', True)(x)
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
@@ -203,7 +203,7 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
     else:
         images = keras.Input((image_size, image_size, 3), name='images', dtype=input_dtype)
         x = conv(64, 7, 2, 'stem_conv')(_standardize(images))
-    x = keras.layers.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
+    x = cpu.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
     x = keras.layers.MaxPool2D(3, strides=2, padding='same', name='stem_pool')(x)
     for stage, (blocks, filters) in enumerate(zip(stage_blocks, STAGE_WIDTHS)):
         for index in range(blocks):

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import tempfile
+import unittest
 from unittest import mock
 
 from absl.testing import parameterized
@@ -14,7 +15,7 @@ import tf_keras as keras
 
 import helpers
 from imagenet_tpu.cpu import batch_norm as cpu_batch_norm
-from imagenet_tpu.cpu import tuning
+from imagenet_tpu.cpu import native, tuning
 from imagenet_tpu.model import resnet
 
 helpers.use_eight_cpus()
@@ -174,6 +175,11 @@ class BatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
                             atol=1e-5, rtol=1e-5)
 
 
+def skip_unless_available(formulation):
+    if formulation not in cpu_batch_norm.formulations():
+        raise unittest.SkipTest(f'{formulation!r} does not run on this machine (no C++ compiler)')
+
+
 class FormulationTest(tf.test.TestCase, parameterized.TestCase):
     """The batch norm's training formulations, each against NumPy, and the choice between them by measurement."""
 
@@ -187,6 +193,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.product(formulation=cpu_batch_norm.FORMULATIONS, relu=(False, True))
     def test_each_formulation_equals_numpy(self, formulation, relu):
+        skip_unless_available(formulation)
         x, gamma, beta = (tf.constant(value) for value in (self.x, self.gamma, self.beta))
         with tf.GradientTape() as tape:
             tape.watch([x, gamma, beta])
@@ -215,7 +222,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_measure_times_every_formulation(self):
         seconds = cpu_batch_norm.measure((2, 4, 4, CHANNELS), repeats=1)
-        self.assertEqual(tuple(seconds), cpu_batch_norm.FORMULATIONS)
+        self.assertEqual(tuple(seconds), cpu_batch_norm.formulations())
         self.assertTrue(all(0 < value < 10 for value in seconds.values()), seconds)
 
     def test_the_choice_follows_the_timings_beyond_the_margin_and_is_kept_per_machine(self):
@@ -321,6 +328,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(*cpu_batch_norm.FORMULATIONS)
     def test_the_layer_with_each_formulation_equals_keras(self, formulation):
+        skip_unless_available(formulation)
         layers = [cpu_batch_norm.BatchNormalization(cpu_kernels=True, momentum=MOMENTUM, epsilon=EPSILON),
                   keras.layers.BatchNormalization(momentum=MOMENTUM, epsilon=EPSILON)]
         x = tf.constant(self.x)
@@ -334,6 +342,171 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
                                 layer.moving_mean, layer.moving_variance))
         for ours, theirs in zip(*results):
             self.assertAllClose(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+class NativeKernelTest(tf.test.TestCase, parameterized.TestCase):
+    """Our own kernels (native.py, kernels/batch_norm.cc): the ReLU they apply, the layers around them, what they
+    do with bad input, and what happens where they cannot be built."""
+
+    def setUp(self):
+        super().setUp()
+        skip_unless_available('native')
+        rng = np.random.default_rng(7)
+        # 300 rows: shards and blocks of rows (64) that do not divide them; channel means far from 0.
+        self.x = (rng.normal(size=(3, 10, 10, CHANNELS)) * 0.5 + np.arange(CHANNELS) * 2.0).astype(np.float32)
+        self.upstream = rng.normal(size=self.x.shape).astype(np.float32)
+        self.gamma = rng.uniform(0.5, 1.5, CHANNELS).astype(np.float32)
+        self.beta = rng.normal(size=CHANNELS).astype(np.float32)
+
+    def test_the_relu_and_its_gradient_equal_numpy(self):
+        x, gamma, beta = (tf.constant(value) for value in (self.x, self.gamma, self.beta))
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y, mean, variance = cpu_batch_norm.normalize_native(x, gamma, beta, EPSILON, relu=True)
+        dx, dgamma, dbeta = tape.gradient(y, [x, gamma, beta], output_gradients=tf.constant(self.upstream))
+        ey, _, emean, evariance = helpers.numpy_batch_norm(self.x, self.upstream, self.gamma, self.beta, EPSILON)
+        self.assertAllClose(mean, emean, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(variance, evariance, atol=1e-5, rtol=1e-5)
+        self.assertAllClose(y, np.maximum(ey, 0.0), atol=1e-5, rtol=1e-5)
+        # The ReLU's mask is the one of the output the kernel returned (elements at 0 pass no gradient).
+        upstream = np.where(y.numpy() > 0, self.upstream, 0.0)
+        _, edx, _, _ = helpers.numpy_batch_norm(self.x, upstream, self.gamma, self.beta, EPSILON)
+        normalized = (self.x - emean) / np.sqrt(evariance + EPSILON)
+        self.assertAllClose(dx, edx, atol=1e-4, rtol=1e-5)
+        self.assertAllClose(dgamma, (upstream * normalized).sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
+        self.assertAllClose(dbeta, upstream.sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
+
+    def test_resnet_with_our_kernels_equals_keras(self):
+        """A whole ResNet-50's loss and gradients with 'native' everywhere (the ReLU after 2 of 3 batch norms in
+        each bottleneck applied in our kernel, our ReLU layers passing it on) against Keras's fused batch norm, in
+        a tf.function as training runs it. (At batch 2 and 32 px the last stage normalizes 2 values a channel, and
+        Keras's formulations differ among themselves by 3%: batch 8 at 64 px.)"""
+        network = resnet.resnet(50, 10, image_size=64)
+        images = tf.constant(np.random.default_rng(3).normal(size=(8, 64, 64, 3)).astype(np.float32))
+
+        def loss_and_gradients():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(network(images, training=True) ** 2)
+            return loss, tape.gradient(loss, network.trainable_variables)
+
+        results, graphs = [], []
+        for formulation in ('native', 'fused'):
+            with mock.patch.object(cpu_batch_norm.BatchNormalization, 'formulation',
+                                   lambda self, shape, formulation=formulation: formulation):
+                step = tf.function(loss_and_gradients)
+                results.append(step())
+                graphs.append([op.type for op in step.get_concrete_function().graph.get_operations()])
+        (loss, gradients), (keras_loss, keras_gradients) = results
+        self.assertAllClose(loss, keras_loss, rtol=1e-5)
+        for ours, theirs in zip(gradients, keras_gradients):     # (zero where a zero gamma stops them)
+            self.assertLessEqual(float(tf.norm(ours - theirs)), 1e-3 * float(tf.norm(theirs)) + 1e-6)
+        # ResNet-50's 33 ReLUs after a batch norm ran in our kernels: only the 16 bottlenecks' outputs are ReLU
+        # ops, forward and backward.
+        self.assertEqual(graphs[0].count('ImagenetTpuBatchNorm'), 53)
+        self.assertEqual(graphs[0].count('ImagenetTpuBatchNormGrad'), 53)
+        self.assertEqual((graphs[0].count('Relu'), graphs[0].count('ReluGrad')), (16, 16))
+        self.assertEqual((graphs[1].count('Relu'), graphs[1].count('ReluGrad')), (49, 49))
+
+    def test_a_relu_of_keras_after_our_kernels_still_applies(self):
+        inputs = keras.Input((10, 10, CHANNELS))
+        norm = cpu_batch_norm.BatchNormalization(cpu_kernels=True, epsilon=EPSILON)
+        model = keras.Model(inputs, keras.layers.ReLU()(norm(inputs)))
+        self.assertFalse(cpu_batch_norm.feeds_only_relu(norm, cpu_batch_norm.ReLU))
+        ours_norm = cpu_batch_norm.BatchNormalization(cpu_kernels=True, epsilon=EPSILON)
+        ours = keras.Model(inputs, cpu_batch_norm.ReLU()(ours_norm(inputs)))
+        self.assertTrue(cpu_batch_norm.feeds_only_relu(ours_norm, cpu_batch_norm.ReLU))
+        for layer in (norm, ours_norm):
+            layer.gamma.assign(self.gamma)
+            layer.beta.assign(self.beta)
+        ey, _, _, _ = helpers.numpy_batch_norm(self.x, self.upstream, self.gamma, self.beta, EPSILON)
+        x = tf.constant(self.x)
+        with mock.patch.object(cpu_batch_norm.BatchNormalization, 'formulation', lambda self, shape: 'native'):
+            # Where a plain ReLU of Keras's takes the output, it is applied twice: the same values.
+            self.assertAllClose(tf.function(lambda x: model(x, training=True))(x), np.maximum(ey, 0.0),
+                                atol=1e-5, rtol=1e-5)
+            # Our ReLU passes on what our kernel rectified, eagerly and in a function.
+            self.assertAllClose(ours(x, training=True), np.maximum(ey, 0.0), atol=1e-5, rtol=1e-5)
+            self.assertAllClose(tf.function(lambda x: ours(x, training=True))(x), np.maximum(ey, 0.0),
+                                atol=1e-5, rtol=1e-5)
+
+    def test_an_empty_batch_gives_nan_statistics_as_keras(self):
+        kernels = native.library()
+        empty = tf.zeros([0, 4, 4, CHANNELS])
+        y, mean, variance = kernels.imagenet_tpu_batch_norm(empty, self.gamma, self.beta, epsilon=EPSILON,
+                                                            relu=True)
+        _, keras_mean, keras_variance = tf.compat.v1.nn.fused_batch_norm(empty, self.gamma, self.beta,
+                                                                          epsilon=EPSILON, is_training=True)
+        self.assertEqual(y.shape, empty.shape)
+        self.assertAllEqual(np.isnan(mean), np.isnan(keras_mean))
+        self.assertTrue(np.isnan(variance).all())
+        dx, dgamma, dbeta = kernels.imagenet_tpu_batch_norm_grad(empty, empty, self.gamma, self.beta, mean,
+                                                                 variance, epsilon=EPSILON, relu=True)
+        self.assertEqual(dx.shape, empty.shape)
+        self.assertAllEqual(dgamma, np.zeros(CHANNELS))
+        self.assertAllEqual(dbeta, np.zeros(CHANNELS))
+
+    def test_vectors_of_another_size_are_an_error(self):
+        kernels = native.library()
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r'input 1 must have shape \[5\]'):
+            kernels.imagenet_tpu_batch_norm(self.x, self.gamma[:3], self.beta, epsilon=EPSILON, relu=False)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'dy and x must have one shape'):
+            kernels.imagenet_tpu_batch_norm_grad(self.x[:1], self.x, self.gamma, self.beta, self.gamma,
+                                                 self.gamma, epsilon=EPSILON, relu=False)
+
+    def test_without_a_compiler_one_line_and_tensorflows_formulations(self):
+        folder = tempfile.mkdtemp(dir=self.get_temp_dir())
+        for environment, message in (({'CXX': 'no-such-compiler-here'}, 'no C++ compiler (no-such-compiler-here)'),
+                                     ({native.ENVIRONMENT: 'off'}, None)):
+            stderr = io.StringIO()
+            with mock.patch.dict(native._state, clear=True), \
+                    mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder, **environment}), \
+                    contextlib.redirect_stderr(stderr):
+                self.assertIsNone(native.library())
+                self.assertIsNone(native.library())       # said once
+                self.assertEqual(cpu_batch_norm.formulations(), ('matmul', 'reduce', 'fused'))
+            lines = stderr.getvalue().strip().splitlines()
+            if message:
+                self.assertLen(lines, 1)
+                self.assertIn(message, lines[0])
+            else:
+                self.assertEqual(lines, [])
+
+    def test_a_broken_build_is_one_line_and_a_cached_binary_is_reused(self):
+        folder = tempfile.mkdtemp(dir=self.get_temp_dir())
+        stderr = io.StringIO()
+        with mock.patch.dict(native._state, clear=True), mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder}), \
+                mock.patch.object(native, 'FLAGS', native.FLAGS + ('-DIMAGENET_TPU_NO_SUCH_HEADER',
+                                                                   '-include', 'no_such_header.h')), \
+                contextlib.redirect_stderr(stderr):
+            self.assertIsNone(native.library())
+        self.assertIn('failed', stderr.getvalue().strip().splitlines()[-1])
+        self.assertEqual([name for name in os.listdir(folder) if name.endswith('.so')], [])   # nothing half-built
+        # A binary already in the folder under the machine's name is loaded, not compiled again.
+        # (setUp built it into the suite's folder.)
+        name = f'native-{native._identity(native._compiler())}.so'
+        self.assertTrue(os.path.exists(os.path.join(tuning.folder(), name)))
+        with mock.patch.dict(native._state, clear=True), mock.patch.object(native, '_build') as build:
+            self.assertIsNotNone(native.library())
+        build.assert_not_called()
+
+    def test_a_cached_native_choice_where_the_kernels_do_not_run_is_timed_again(self):
+        shape, calls = (3, 100, 100, 113), []
+
+        def measure(measured_shape, relu):
+            calls.append(measured_shape)
+            return {'matmul': 0.5, 'reduce': 1.0, 'fused': 1.0}
+
+        folder = tempfile.mkdtemp(dir=self.get_temp_dir())
+        with mock.patch.object(tuning, 'CACHE', tuning.Cache()), \
+                mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder}), \
+                mock.patch.dict(cpu_batch_norm._choices, clear=True):
+            tuning.CACHE.put('batch_norm', '3,100,100,113', 'native')
+            self.assertEqual(cpu_batch_norm.choose(shape, measure), 'native')
+            self.assertEqual(calls, [])
+            cpu_batch_norm._choices.clear()
+            with mock.patch.object(native, 'available', lambda: False):
+                self.assertEqual(cpu_batch_norm.choose(shape, measure), 'matmul')
+            self.assertEqual(calls, [shape])
 
 
 if __name__ == '__main__':
