@@ -1,11 +1,11 @@
 """Our own CPU kernels (kernels/*.cc), compiled on the machine at first use and kept beside the tuning cache.
 
-TensorFlow's pip package fuses no batch norm with the ReLU after it on CPU in a way that saves passes over the
-map, and batch norm is bound by memory there; kernels/batch_norm.cc does it in fewer passes. It is compiled with
-the machine's C++ compiler (``$CXX``, else g++) against the installed TensorFlow's headers, for this CPU
-(-march=native), into the tuning cache's folder (tuning.folder(); a temporary folder when caching is off), under a
-name made of everything the binary depends on: the source, TensorFlow's version and flags, the compiler and the
-CPU. A later process loads the file. Where it cannot be built or loaded (no compiler, another TensorFlow build),
+Batch norm is bound by memory on CPU, and TensorFlow's kernels (oneDNN's fused one too) make more passes over the
+map than batch norm and the ReLU after it need; kernels/batch_norm.cc makes fewer (docs/benchmarks.md B13). It is
+compiled with the machine's C++ compiler (``$CXX``, else g++) against the installed TensorFlow's headers, for this
+CPU (-march=native), into the tuning cache's folder (tuning.folder(); a temporary folder when caching is off),
+under a name made of everything the binary depends on: the source, TensorFlow's version and flags, the compiler
+and the CPU. A later process loads the file. Where it cannot be built or loaded (no compiler, another TensorFlow build),
 one line says so and the batch-norm tuner times TensorFlow's formulations only. ``IMAGENET_TPU_NATIVE=off`` never
 builds it.
 """
@@ -24,7 +24,8 @@ from imagenet_tpu.cpu import tuning
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels', 'batch_norm.cc')
 ENVIRONMENT = 'IMAGENET_TPU_NATIVE'
-# Compiling the kernels against TensorFlow's headers takes 5-20 s; a compiler that hangs is given up on.
+# Compiling the kernels against TensorFlow's headers took 8-10 s on a 2-core machine; a compiler that hangs is
+# given up on.
 BUILD_TIMEOUT_SECONDS = 300
 FLAGS = ('-O3', '-march=native', '-shared', '-fPIC', '-w')
 
