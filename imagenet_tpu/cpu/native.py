@@ -97,22 +97,34 @@ def _load() -> Any:
     return _load_from(compiler, base)
 
 
-def _load_from(compiler: str, base: str) -> Any:
+def _load_library(path: str) -> Any:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    path = os.path.join(base, f'native-{_identity(compiler)}.so')
-    if not os.path.exists(path):
-        print(f'imagenet_tpu: compiling our batch-norm kernels for this machine into {path}', file=sys.stderr,
-              flush=True)
-        _build(compiler, path)
     try:
         return tf.load_op_library(path)
     except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError, OSError) as error:
         raise RuntimeError(f'cannot load {path}: {str(error).splitlines()[0] if str(error) else error}') from error
 
 
+def _load_from(compiler: str, base: str) -> Any:
+    """The library for this machine in ``base``: loaded, else built there and loaded. A file there that does not
+    load (cut short by a full disk, say) is built again once, with one line."""
+    path = os.path.join(base, f'native-{_identity(compiler)}.so')
+    if os.path.exists(path):
+        try:
+            return _load_library(path)
+        except RuntimeError as error:
+            print(f'imagenet_tpu: {error}: compiling it again', file=sys.stderr, flush=True)
+    else:
+        print(f'imagenet_tpu: compiling our batch-norm kernels for this machine into {path}', file=sys.stderr,
+              flush=True)
+    _build(compiler, path)
+    return _load_library(path)
+
+
 def library() -> Any:
     """The compiled kernels' module (its ops as functions: imagenet_tpu_batch_norm and _grad), None where they
-    cannot be built or are turned off (one line to stderr, once a process)."""
+    cannot be built or are turned off (one line to stderr, once a process). Loaded once a process: TensorFlow
+    would reject the ops of a second copy of the library from another path (their kernels registered twice)."""
     with _lock:
         if 'library' not in _state:
             try:

@@ -488,6 +488,26 @@ class NativeKernelTest(tf.test.TestCase, parameterized.TestCase):
         with mock.patch.dict(native._state, clear=True), mock.patch.object(native, '_build') as build:
             self.assertIsNotNone(native.library())
         build.assert_not_called()
+        # One that does not load (cut short) is built again, once. (The build here writes another file that does
+        # not load either: a second copy of the real library in one process would register its kernels twice.)
+        with open(os.path.join(folder, name), 'wb') as f:
+            f.write(b'not a shared library')
+        builds, stderr = [], io.StringIO()
+
+        def build(compiler, path):
+            builds.append(path)
+            with open(path, 'wb') as f:
+                f.write(b'still not a shared library')
+
+        with mock.patch.dict(native._state, clear=True), mock.patch.dict(os.environ, {tuning.ENVIRONMENT: folder}), \
+                mock.patch.object(native, '_build', build), contextlib.redirect_stderr(stderr):
+            self.assertIsNone(native.library())
+        self.assertEqual(builds, [os.path.join(folder, name)])
+        lines = stderr.getvalue().strip().splitlines()
+        self.assertLen(lines, 2)
+        self.assertIn(f'cannot load {os.path.join(folder, name)}', lines[0])
+        self.assertIn('compiling it again', lines[0])
+        self.assertIn('our batch-norm kernels are not available (cannot load', lines[1])
 
     def test_a_cached_native_choice_where_the_kernels_do_not_run_is_timed_again(self):
         shape, calls = (3, 100, 100, 113), []
