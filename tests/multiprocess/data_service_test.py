@@ -162,9 +162,13 @@ class WorkerLossTest(tf.test.TestCase):
         # not read yet (the worker's shuffle buffer of 8, its two open files, prefetched batches) can belong to
         # three epochs when the last one has just begun (one run read [15, 21, 18, 24, 24, 23, 18, 1]).
         self.assertEqual(per_epoch[-4], IMAGES, per_epoch)
-        # What the killed worker had: its open files (2 of 6 records), its shuffle buffer (8), a few batches.
+        # What the killed worker had: its open files (2 of 6 records), its shuffle buffer (8), the images its
+        # parallel map was decoding (AUTOTUNE: up to one a core), a batch being filled (2), a few batches (2 x 3) and
+        # the batch in the service worker's one-element buffer (3: FirstComeFirstServedTaskRunner's buffer_size=1,
+        # tensorflow/tensorflow, tensorflow/core/data/service/task_runner.cc). Without the last three terms the
+        # bound was 26, and one run lost [1, 11, 18].
         lost = [IMAGES - count for count in per_epoch[:-3]]
-        self.assertLessEqual(sum(lost), 2 * 6 + 8 + 2 * 3, lost)
+        self.assertLessEqual(sum(lost), 2 * 6 + 8 + (os.cpu_count() or 1) + 2 + 2 * 3 + 3, lost)
         print(f'images missing per epoch after worker 1 was killed: {lost}')
 
 
