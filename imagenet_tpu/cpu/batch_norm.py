@@ -22,7 +22,8 @@ TensorFlow's graph optimizer fuses the ReLU into Keras's kernel (_FusedBatchNorm
 after 'matmul' and 'reduce' the ReLU is a pass of its own over the map, which costs more inside the network's
 step than timed alone (docs/benchmarks.md S44). Our kernels apply the ReLU themselves where only ReLU layers of
 this module take the output (ReLU below, which passes on what they rectified), and recompute its mask from x in
-the backward pass: no ReLU op runs in either direction (docs/benchmarks.md B13).
+the backward pass: no ReLU op runs in either direction (docs/benchmarks.md B13). After Keras's own ReLU layers
+they do not, and they are timed with the ReLU op after them (relu_after: 'keras_relu').
 """
 
 import threading
@@ -144,15 +145,25 @@ def training_output(formulation: str, x, gamma, beta, epsilon: float):
     return normalize_training(x, gamma, beta, epsilon, statistics=formulation)[0]
 
 
-def training_step(formulation: str, x, gamma, beta, dy, epsilon: float, relu: bool = False):
+# The ReLU after a batch norm, as the tuner times it (relu_after): none; 'relu', ReLU layers of this module,
+# which our kernels apply; 'keras_relu', other plain ReLU layers, a ReLU op after our kernels. After Keras's kernel
+# TensorFlow's graph optimizer fuses either.
+RELUS = ('', 'relu', 'keras_relu')
+
+
+def training_step(formulation: str, x, gamma, beta, dy, epsilon: float, relu: str = ''):
     """(y, dx, dgamma, dbeta) of ``formulation``: its forward pass and the kernels its gradient runs, called
     directly (no GradientTape: timing runs inside tf.init_scope while a step is traced, where tapes are paused).
-    With ``relu``, of relu(batch norm): y is the ReLU's output and dy the gradient at it."""
+    With a ``relu`` (RELUS), of relu(batch norm): y is the ReLU's output and dy the gradient at it."""
     if formulation == 'native':
         kernels = native.library()
-        y, mean, variance = kernels.imagenet_tpu_batch_norm(x, gamma, beta, epsilon=epsilon, relu=relu)
+        in_kernel = relu == 'relu'
+        y, mean, variance = kernels.imagenet_tpu_batch_norm(x, gamma, beta, epsilon=epsilon, relu=in_kernel)
+        if relu and not in_kernel:
+            y = tf.nn.relu(y)
+            dy = tf.raw_ops.ReluGrad(gradients=dy, features=y)
         return (y, *kernels.imagenet_tpu_batch_norm_grad(dy, x, gamma, beta, mean, variance, epsilon=epsilon,
-                                                          relu=relu))
+                                                          relu=in_kernel))
     if formulation == 'fused':
         y, _, _, saved_mean, saved_variance, reserve = tf.raw_ops.FusedBatchNormV3(
             x=x, scale=gamma, offset=beta, mean=tf.zeros([0]), variance=tf.zeros([0]), epsilon=epsilon,
@@ -170,9 +181,9 @@ def training_step(formulation: str, x, gamma, beta, dy, epsilon: float, relu: bo
 
 
 @tf.autograph.experimental.do_not_convert     # Python that times eagerly, also when called while tracing
-def measure(shape: Tuple[int, ...], relu: bool = False, repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
+def measure(shape: Tuple[int, ...], relu: str = '', repeats: int = 10, epsilon: float = 1e-3) -> Dict[str, float]:
     """Seconds of a training step's batch norm (training_step: forward, and the gradients of x, gamma and beta;
-    with ``relu``, of a ReLU after it too) of each formulation on float32 maps of ``shape``, each as a
+    with a ``relu`` (RELUS), of that ReLU after it too) of each formulation on float32 maps of ``shape``, each as a
     tf.function (so with the graph optimizer's fusions), shortest of ``repeats`` after a warm-up, the formulations
     taking turns run by run (tuning.shortest_in_turns)."""
     channels = shape[-1]
@@ -193,14 +204,14 @@ def fastest(seconds: Dict[str, float], incumbent: str = INCUMBENT) -> str:
     return best if seconds[best] <= MARGIN * seconds[incumbent] else incumbent
 
 
-_choices: Dict[Tuple[Tuple[int, ...], bool], str] = {}
+_choices: Dict[Tuple[Tuple[int, ...], str], str] = {}
 _lock = threading.Lock()
 
 
 @tf.autograph.experimental.do_not_convert
 def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_measure: bool = True,
-           relu: bool = False) -> str:
-    """The formulation for training maps of ``shape`` (followed by a ReLU with ``relu``): this process's choice,
+           relu: str = '') -> str:
+    """The formulation for training maps of ``shape`` (followed by a ``relu``, RELUS): this process's choice,
     else the machine's cache's, else (``may_measure``) measured (``measure_fn(shape, relu)``; the fastest against
     INCUMBENT) and remembered in both; else DEFAULT. Small maps keep DEFAULT unmeasured."""
     shape = tuple(int(size) for size in shape)
@@ -211,7 +222,7 @@ def choose(shape: Sequence[int], measure_fn: Optional[Callable] = None, may_meas
         return DEFAULT
     with _lock:
         if (shape, relu) not in _choices:
-            key = ','.join(str(size) for size in shape) + (',relu' if relu else '')
+            key = ','.join(str(size) for size in shape) + (',' + relu if relu else '')
             choice = tuning.CACHE.get('batch_norm', key)
             if choice not in formulations():
                 if not may_measure:
@@ -232,6 +243,14 @@ def feeds_only_relu(layer: keras.layers.Layer, kind: Optional[type] = None) -> b
                                    for consumer in consumers)
 
 
+def relu_after(layer: keras.layers.Layer) -> str:
+    """The ReLU after the layer in its functional models (RELUS): 'relu' where only ReLU layers of this module
+    take its output, 'keras_relu' where only plain ReLUs take it and some are not ours, else ''."""
+    if feeds_only_relu(layer, ReLU):
+        return 'relu'
+    return 'keras_relu' if feeds_only_relu(layer) else ''
+
+
 def _is_plain_relu(layer) -> bool:
     if isinstance(layer, keras.layers.ReLU):
         return (layer.max_value is None and float(layer.negative_slope) == 0.0
@@ -242,7 +261,8 @@ def _is_plain_relu(layer) -> bool:
 def tune_network(network: keras.Model, batch_size: int) -> Dict[Tuple[int, ...], str]:
     """Times every shape of the network's BatchNormalization layers (ours, built, using their own kernels) for
     batches of ``batch_size`` per replica now, before training starts; returns {shape: formulation}, the shapes
-    of layers followed by a ReLU with a last entry 'relu'. Nothing with op determinism on."""
+    of layers followed by a ReLU with a last entry, the kind of ReLU (relu_after). Nothing with op determinism
+    on."""
     if tf_config.is_op_determinism_enabled():
         return {}
     choices = {}
@@ -255,8 +275,8 @@ def tune_network(network: keras.Model, batch_size: int) -> Dict[Tuple[int, ...],
             if (isinstance(shape, tuple) and len(shape) == 4 and layer.axis == [3] and layer.dtype == 'float32'
                     and layer.compute_dtype == 'float32' and all(size is not None for size in shape[1:])):
                 full = (batch_size, *shape[1:])
-                relu = feeds_only_relu(layer)
-                choices[full + (('relu',) if relu else ())] = choose(full, relu=relu)
+                relu = relu_after(layer)
+                choices[full + ((relu,) if relu else ())] = choose(full, relu=relu)
     return choices
 
 
@@ -322,7 +342,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if not shape.is_fully_defined() or tf_config.is_op_determinism_enabled():
             return DEFAULT
         return choose(shape.as_list(), may_measure=tf.distribute.get_strategy().num_replicas_in_sync == 1,
-                      relu=feeds_only_relu(self))
+                      relu=relu_after(self))
 
     def get_config(self):
         config = super().get_config()

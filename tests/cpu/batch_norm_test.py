@@ -191,7 +191,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         self.gamma = rng.uniform(0.5, 1.5, CHANNELS).astype(np.float32)
         self.beta = rng.normal(size=CHANNELS).astype(np.float32)
 
-    @parameterized.product(formulation=cpu_batch_norm.FORMULATIONS, relu=(False, True))
+    @parameterized.product(formulation=cpu_batch_norm.FORMULATIONS, relu=cpu_batch_norm.RELUS)
     def test_each_formulation_equals_numpy(self, formulation, relu):
         skip_unless_available(formulation)
         x, gamma, beta = (tf.constant(value) for value in (self.x, self.gamma, self.beta))
@@ -206,7 +206,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(dgamma, (self.upstream * normalized).sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
         self.assertAllClose(dbeta, self.upstream.sum((0, 1, 2)), atol=1e-4, rtol=1e-5)
         # What the tuner times: the same forward pass and gradient kernels, called directly; with a ReLU after
-        # the batch norm, relu(y) and the gradients of the whole through it.
+        # the batch norm (in our kernel or an op of its own), relu(y) and the gradients of the whole through it.
         timed = cpu_batch_norm.training_step(formulation, x, gamma, beta, tf.constant(self.upstream), EPSILON,
                                              relu=relu)
         if relu:
@@ -237,7 +237,7 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
 
         def fake(timings):
             def measure(measured_shape, relu):
-                calls.append(measured_shape + (('relu',) if relu else ()))
+                calls.append(measured_shape + ((relu,) if relu else ()))
                 return timings
             return measure
 
@@ -259,15 +259,18 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 1.0, 'reduce': 2.0, 'fused': 3.0})),
                              'reduce')
             self.assertEqual(calls, [shape])
-            # The same maps followed by a ReLU are a choice of their own; Keras's fused kernel stays where the
-            # others are not faster by the margin.
+            # The same maps followed by a ReLU (ours, or Keras's) are choices of their own; Keras's fused kernel
+            # stays where the others are not faster by the margin.
             self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 0.98, 'reduce': 0.99, 'fused': 1.0}),
-                                                   relu=True), 'fused')
-            self.assertEqual(cpu_batch_norm.choose(shape, fake({}), relu=False), 'reduce')
-            self.assertEqual(calls, [shape, shape + ('relu',)])
+                                                   relu='relu'), 'fused')
+            self.assertEqual(cpu_batch_norm.choose(shape, fake({'matmul': 0.9, 'reduce': 0.99, 'fused': 1.0}),
+                                                   relu='keras_relu'), 'matmul')
+            self.assertEqual(cpu_batch_norm.choose(shape, fake({}), relu=''), 'reduce')
+            self.assertEqual(calls, [shape, shape + ('relu',), shape + ('keras_relu',)])
             with open(tuning.CACHE.path) as f:
                 self.assertEqual(json.load(f)['entries']['batch_norm'],
-                                 {'3,100,100,111': 'reduce', '3,100,100,111,relu': 'fused'})
+                                 {'3,100,100,111': 'reduce', '3,100,100,111,relu': 'fused',
+                                  '3,100,100,111,keras_relu': 'matmul'})
 
     def test_layers_that_feed_only_a_relu_are_timed_with_it(self):
         network = resnet.resnet(50, 10, image_size=32)
@@ -412,9 +415,12 @@ class NativeKernelTest(tf.test.TestCase, parameterized.TestCase):
         norm = cpu_batch_norm.BatchNormalization(cpu_kernels=True, epsilon=EPSILON)
         model = keras.Model(inputs, keras.layers.ReLU()(norm(inputs)))
         self.assertFalse(cpu_batch_norm.feeds_only_relu(norm, cpu_batch_norm.ReLU))
+        # The tuner times it with the ReLU op after our kernels, not as if they applied it.
+        self.assertEqual(cpu_batch_norm.relu_after(norm), 'keras_relu')
         ours_norm = cpu_batch_norm.BatchNormalization(cpu_kernels=True, epsilon=EPSILON)
         ours = keras.Model(inputs, cpu_batch_norm.ReLU()(ours_norm(inputs)))
         self.assertTrue(cpu_batch_norm.feeds_only_relu(ours_norm, cpu_batch_norm.ReLU))
+        self.assertEqual(cpu_batch_norm.relu_after(ours_norm), 'relu')
         for layer in (norm, ours_norm):
             layer.gamma.assign(self.gamma)
             layer.beta.assign(self.beta)
