@@ -317,8 +317,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if formulation == 'fused':
             return super().call(inputs, training=training, mask=mask)
         # Our kernels apply the ReLU where only our ReLU layers take the output (they pass it on), so that no
-        # ReLU op runs in either direction.
-        rectify = formulation == 'native' and feeds_only_relu(self, ReLU)
+        # ReLU op runs in either direction: what the tuner timed as relu_after's 'relu'.
+        rectify = formulation == 'native' and relu_after(self) == 'relu'
         if formulation == 'native':
             outputs, mean, variance = normalize_native(inputs, self.gamma, self.beta, self.epsilon, relu=rectify)
         else:
