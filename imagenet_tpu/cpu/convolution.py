@@ -23,7 +23,17 @@ on CPU"), and the best way to compute it depends on the shape. Each computation 
                    the forward pass of dY, padded, with the filter turned by 180 degrees and its input and output
                    channels swapped; timed only on small maps (MAX_PATCH_VALUES_PER_IMAGE). On small maps of many
                    channels (ResNet-50's last stage) oneDNN's direct kernels run far from the machine's peak and
-                   one large matrix product is faster; elsewhere copying the patches costs more than it saves.
+                   one large matrix product is faster; elsewhere copying the patches costs more than it saves;
+  and, for 3x3 filters of stride 1 and SAME padding, 'winograd': Winograd's minimal filtering F(2x2, 3x3) (Lavin
+                   and Gray, CVPR 2016), each 2x2 block of outputs from its 4x4 tile of inputs with 16
+                   multiplications in place of 36: the tiles and the filter transformed by our kernels
+                   (kernels/winograd.cc), then 16 matrix products [tiles, Cin] x [Cin, F] (a batched product), then
+                   the outputs transformed back. Its two gradients are the adjoints of those steps (the transforms'
+                   adjoints are kernels too): the input gradient dv[k] = dm[k] u[k]^T, the filter gradient
+                   du[k] = v[k]^T dm[k]. The forward pass and the filter gradient transform the same x, the two
+                   gradients the same dy: TensorFlow's graph optimizer merges those identical ops, so each is done
+                   once a step. 2.25x fewer multiply-adds, at the cost of passes over 4x the map; it is a candidate
+                   where our kernels build (native.py).
 
 Conv2D times the applicable formulations of each computation once per problem (batch, map size, channels,
 filter, strides, padding) on this machine and uses the fastest of each: an autotuner, as cuDNN's is for GPUs.
@@ -45,7 +55,7 @@ import tensorflow as tf
 import tf_keras as keras
 from tensorflow.python.framework import config as tf_config  # is_op_determinism_enabled: no public API
 
-from imagenet_tpu.cpu import tuning
+from imagenet_tpu.cpu import native, tuning
 from imagenet_tpu.cpu.batch_norm import cpu_only
 
 PARTS = ('forward', 'input_gradient', 'filter_gradient')
@@ -61,6 +71,7 @@ MARGIN = 0.97
 # it on larger maps costs seconds at every tuning) and in all (128 MiB).
 MAX_PATCH_VALUES_PER_IMAGE = 1 << 18
 MAX_PATCH_VALUES = 1 << 25
+WINOGRAD = 'winograd'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +135,24 @@ def candidates(problem: Problem) -> Dict[str, Tuple[str, ...]]:
 
     patches = fits(rows * columns * taps * problem.in_channels)
     output_patches = fits(problem.height * problem.width * taps * problem.filters)
-    return {'forward': (DEFAULT, 'im2col') if patches else (DEFAULT,),
-            'input_gradient': (DEFAULT, 'im2col') if stride_one and output_patches else (DEFAULT,),
-            'filter_gradient': (DEFAULT, 'swapped', 'im2col') if patches else (DEFAULT, 'swapped')}
+    im2col = ('im2col',) if patches else ()
+    winograd = (WINOGRAD,) if winograd_applies(problem) else ()
+    return {'forward': (DEFAULT, *im2col, *winograd),
+            'input_gradient': (DEFAULT, *(('im2col',) if stride_one and output_patches else ()), *winograd),
+            'filter_gradient': (DEFAULT, 'swapped', *im2col, *winograd)}
+
+
+@tf.autograph.experimental.do_not_convert     # Python that may build the kernels, also while a step is traced
+def winograd_applies(problem: Problem) -> bool:
+    """Whether 'winograd' computes ``problem``: a 3x3 filter, stride 1, SAME, where our kernels load (native.py)."""
+    return (problem.kernel == (3, 3) and problem.strides == (1, 1) and problem.padding == 'SAME'
+            and native.available())
+
+
+@tf.autograph.experimental.do_not_convert
+def _kernels():
+    """Our kernels' ops (native.py), loaded by winograd_applies before any formulation runs."""
+    return native.library()
 
 
 def _strided(x, problem: Problem):
@@ -162,6 +188,10 @@ def forward(formulation: str, x, w, problem: Problem):
     if formulation == 'im2col':
         rows = _patch_rows(x, problem.kernel, problem.strides, problem.padding)
         return tf.reshape(tf.matmul(rows, tf.reshape(w, [-1, problem.filters])), problem.output_shape)
+    if formulation == WINOGRAD:
+        kernels = _kernels()
+        tiles = tf.matmul(kernels.imagenet_tpu_winograd_input(x), kernels.imagenet_tpu_winograd_filter(w))
+        return kernels.imagenet_tpu_winograd_output(tiles, height=problem.height, width=problem.width)
     rows = tf.reshape(_strided(x, problem), [-1, problem.in_channels])
     return tf.reshape(tf.matmul(rows, tf.reshape(w, [problem.in_channels, problem.filters])), problem.output_shape)
 
@@ -178,6 +208,12 @@ def input_gradient(formulation: str, dy, w, problem: Problem):
         turned = tf.transpose(tf.reverse(w, axis=[0, 1]), [0, 1, 3, 2])
         rows = _patch_rows(padded, problem.kernel, (1, 1), 'VALID')
         return tf.reshape(tf.matmul(rows, tf.reshape(turned, [-1, problem.in_channels])), problem.input_shape)
+    if formulation == WINOGRAD:
+        # The adjoint of the forward pass's transforms and products: dv[k] = dm[k] u[k]^T.
+        kernels = _kernels()
+        tiles = tf.matmul(kernels.imagenet_tpu_winograd_output_grad(dy), kernels.imagenet_tpu_winograd_filter(w),
+                          transpose_b=True)
+        return kernels.imagenet_tpu_winograd_input_grad(tiles, height=problem.height, width=problem.width)
     rows = tf.matmul(tf.reshape(dy, [-1, problem.filters]), tf.reshape(w, [problem.in_channels, problem.filters]),
                      transpose_b=True)
     if problem.strides == (1, 1):
@@ -207,6 +243,12 @@ def filter_gradient(formulation: str, x, dy, problem: Problem):
         rows = _patch_rows(x, problem.kernel, problem.strides, problem.padding)
         return tf.reshape(tf.matmul(rows, tf.reshape(dy, [-1, problem.filters]), transpose_a=True),
                           problem.filter_shape)
+    if formulation == WINOGRAD:
+        # du[k] = v[k]^T dm[k], then the adjoint of the filter's transform. v and dm are the same ops (same inputs)
+        # as the forward pass's and the input gradient's, which TensorFlow's graph optimizer computes once.
+        kernels = _kernels()
+        return kernels.imagenet_tpu_winograd_filter_grad(tf.matmul(
+            kernels.imagenet_tpu_winograd_input(x), kernels.imagenet_tpu_winograd_output_grad(dy), transpose_a=True))
     # dW[i, j, c, f] = sum over n, p, q of X_padded[n, p * sh + i, q * sw + j, c] dY[n, p, q, f]: a VALID
     # convolution of X_padded as [c, H, W, n] with dY as the filter [p, q, n, f], dilated by the strides.
     padded = tf.pad(x, [(0, 0), *problem.paddings(), (0, 0)])

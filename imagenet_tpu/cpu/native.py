@@ -1,12 +1,13 @@
 """Our own CPU kernels (kernels/*.cc), compiled on the machine at first use and kept beside the tuning cache.
 
 Batch norm is bound by memory on CPU, and TensorFlow's kernels (oneDNN's fused one too) make more passes over the
-map than batch norm and the ReLU after it need; kernels/batch_norm.cc makes fewer (docs/benchmarks.md B13). It is
+map than batch norm and the ReLU after it need; kernels/batch_norm.cc makes fewer (docs/benchmarks.md B13).
+kernels/winograd.cc holds the transforms of Winograd's F(2x2, 3x3) convolutions (convolution.py). Both files are
 compiled with the machine's C++ compiler (``$CXX``, else g++) against the installed TensorFlow's headers, for this
 CPU (-march=native), into the tuning cache's folder (tuning.folder(); a temporary folder when caching is off),
-under a name made of everything the binary depends on: the source, TensorFlow's version and flags, the compiler
+under a name made of everything the binary depends on: the sources, TensorFlow's version and flags, the compiler
 and the CPU. A later process loads the file. Where it cannot be built or loaded (no compiler, another TensorFlow build),
-one line says so and the batch-norm tuner times TensorFlow's formulations only. ``IMAGENET_TPU_NATIVE=off`` never
+one line says so and the tuners time TensorFlow's formulations only. ``IMAGENET_TPU_NATIVE=off`` never
 builds it.
 """
 
@@ -22,7 +23,8 @@ from typing import Any, List, Optional
 from imagenet_tpu import runtime
 from imagenet_tpu.cpu import tuning
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels', 'batch_norm.cc')
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels', name)
+                for name in ('batch_norm.cc', 'winograd.cc'))
 ENVIRONMENT = 'IMAGENET_TPU_NATIVE'
 # Compiling the kernels against TensorFlow's headers took 8-10 s on a 2-core machine; a compiler that hangs is
 # given up on.
@@ -39,7 +41,7 @@ def _compiler() -> Optional[str]:
 
 def _build_command(compiler: str, output: str) -> List[str]:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    return [compiler, *FLAGS, SOURCE, '-o', output, *tf.sysconfig.get_compile_flags(),
+    return [compiler, *FLAGS, *SOURCES, '-o', output, *tf.sysconfig.get_compile_flags(),
             *tf.sysconfig.get_link_flags()]
 
 
@@ -50,8 +52,10 @@ def _identity(compiler: str) -> str:
         version = subprocess.run([compiler, '--version'], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         version = ''
-    with open(SOURCE, 'rb') as f:
-        source = f.read()
+    source = b''
+    for name in SOURCES:
+        with open(name, 'rb') as f:
+            source += f.read()
     cpu = runtime.cpu_description()
     parts = [source.decode('utf-8', 'replace'), version, tf.__version__, tf.__file__, ' '.join(FLAGS),
              ' '.join(tf.sysconfig.get_compile_flags()), cpu['model'], cpu['family'], cpu['model_number'],
@@ -60,7 +64,7 @@ def _identity(compiler: str) -> str:
 
 
 def _build(compiler: str, path: str) -> None:
-    """Compiles SOURCE into ``path``, atomically (a temporary file renamed), raising RuntimeError with the
+    """Compiles SOURCES into ``path``, atomically (a temporary file renamed), raising RuntimeError with the
     compiler's last line on failure."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.native-', suffix='.so')
@@ -115,22 +119,23 @@ def _load_from(compiler: str, base: str) -> Any:
         except RuntimeError as error:
             print(f'imagenet_tpu: {error}: compiling it again', file=sys.stderr, flush=True)
     else:
-        print(f'imagenet_tpu: compiling our batch-norm kernels for this machine into {path}', file=sys.stderr,
+        print(f'imagenet_tpu: compiling our CPU kernels for this machine into {path}', file=sys.stderr,
               flush=True)
     _build(compiler, path)
     return _load_library(path)
 
 
 def library() -> Any:
-    """The compiled kernels' module (its ops as functions: imagenet_tpu_batch_norm and _grad), None where they
-    cannot be built or are turned off (one line to stderr, once a process). Loaded once a process: TensorFlow
-    would reject the ops of a second copy of the library from another path (their kernels registered twice)."""
+    """The compiled kernels' module (its ops as functions: imagenet_tpu_batch_norm, imagenet_tpu_winograd_input,
+    ...), None where they cannot be built or are turned off (one line to stderr, once a process). Loaded once a
+    process: TensorFlow would reject the ops of a second copy of the library from another path (their kernels
+    registered twice)."""
     with _lock:
         if 'library' not in _state:
             try:
                 _state['library'] = _load()
             except (RuntimeError, OSError) as error:
-                print(f'warning: our batch-norm kernels are not available ({error}): using TensorFlow\'s',
+                print(f'warning: our CPU kernels are not available ({error}): using TensorFlow\'s',
                       file=sys.stderr, flush=True)
                 _state['library'] = None
         return _state['library']

@@ -33,7 +33,9 @@ from imagenet_tpu import runtime
 # format 6 and before, made eagerly, are timed again.
 # 8: batch norm also timed with our own kernels ('native', native.py), so that choices of format 7, made without
 # them, are timed again.
-FORMAT = 8
+# 9: 3x3 stride-1 SAME convolutions also timed by Winograd's F(2x2, 3x3) ('winograd', kernels/winograd.cc), so
+# that choices of format 8, made without it, are timed again.
+FORMAT = 9
 ENVIRONMENT = 'IMAGENET_TPU_CACHE'
 
 

@@ -513,7 +513,7 @@ class NativeKernelTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(lines, 2)
         self.assertIn(f'cannot load {os.path.join(folder, name)}', lines[0])
         self.assertIn('compiling it again', lines[0])
-        self.assertIn('our batch-norm kernels are not available (cannot load', lines[1])
+        self.assertIn('our CPU kernels are not available (cannot load', lines[1])
 
     def test_a_cached_native_choice_where_the_kernels_do_not_run_is_timed_again(self):
         shape, calls = (3, 100, 100, 113), []

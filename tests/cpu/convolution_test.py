@@ -14,6 +14,7 @@ from tensorflow.python.framework import config as tf_config
 
 import helpers
 from imagenet_tpu.cpu import convolution
+from imagenet_tpu.cpu import native
 from imagenet_tpu.cpu import tuning
 from imagenet_tpu.model import resnet
 from imagenet_tpu.cpu.convolution import Problem
@@ -33,6 +34,9 @@ PROBLEMS = {
     # filter (padded unevenly: 0 before and 1 after the rows, 1 and 2 around the columns).
     '3x3_valid': Problem(2, 8, 7, 4, 6, (3, 3), (1, 1), 'VALID'),
     '2x4_same': Problem(2, 7, 9, 3, 5, (2, 4), (1, 1), 'SAME'),
+    # Winograd's tiles of 2x2 outputs on maps of odd sizes (the last tiles half outside) and of one pixel.
+    '3x3_odd': Problem(2, 7, 5, 4, 6, (3, 3), (1, 1), 'SAME'),
+    '3x3_one_pixel': Problem(1, 1, 1, 4, 6, (3, 3), (1, 1), 'SAME'),
 }
 
 
@@ -94,9 +98,18 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
         # Strided 1x1 too: the input gradient as a matrix product spread over the pixels the filter read.
         self.assertEqual(convolution.candidates(PROBLEMS['1x1_stride2_odd'])['input_gradient'],
                          ('convolution', 'matmul'))
+        # 3x3, stride 1, SAME: also Winograd's, where our kernels load.
+        winograd = ('winograd',) if native.available() else ()
         self.assertEqual(convolution.candidates(PROBLEMS['3x3']),
-                         {'forward': ('convolution', 'im2col'), 'input_gradient': ('convolution', 'im2col'),
-                          'filter_gradient': ('convolution', 'swapped', 'im2col')})
+                         {'forward': ('convolution', 'im2col', *winograd),
+                          'input_gradient': ('convolution', 'im2col', *winograd),
+                          'filter_gradient': ('convolution', 'swapped', 'im2col', *winograd)})
+        with mock.patch.object(native, 'available', lambda: False):
+            self.assertEqual(convolution.candidates(PROBLEMS['3x3']),
+                             {'forward': ('convolution', 'im2col'), 'input_gradient': ('convolution', 'im2col'),
+                              'filter_gradient': ('convolution', 'swapped', 'im2col')})
+        for name in ('3x3_valid', '3x3_stride2_odd', '2x4_same'):
+            self.assertNotIn('winograd', convolution.candidates(PROBLEMS[name])['forward'], name)
         # Strided: the input gradient is TensorFlow's op.
         self.assertEqual(convolution.candidates(PROBLEMS['3x3_stride2_odd'])['input_gradient'], ('convolution',))
         # Patch matrices over MAX_PATCH_VALUES_PER_IMAGE or MAX_PATCH_VALUES: no 'im2col'. ResNet-50's stem at
@@ -105,8 +118,9 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
                      'filter_gradient': ('convolution', 'swapped')}
         self.assertEqual(convolution.candidates(Problem(32, 128, 128, 3, 64, (7, 7), (2, 2), 'SAME')), no_im2col)
         self.assertEqual(convolution.candidates(Problem(32, 7, 7, 512, 512, (3, 3), (1, 1), 'SAME'))['forward'],
-                         ('convolution', 'im2col'))
-        self.assertEqual(convolution.candidates(Problem(256, 7, 7, 512, 512, (3, 3), (1, 1), 'SAME')), no_im2col)
+                         ('convolution', 'im2col', *winograd))
+        self.assertEqual(convolution.candidates(Problem(256, 7, 7, 512, 512, (3, 3), (1, 1), 'SAME')),
+                         {part: (*names, *winograd) for part, names in no_im2col.items()})
 
     def test_problem_shapes_follow_tensorflow(self):
         for problem in PROBLEMS.values():
@@ -115,6 +129,63 @@ class FormulationTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(problem.output_shape, tuple(y.shape))
             rows, columns = problem.output_size
             self.assertEqual(problem.multiply_adds, np.prod(problem.filter_shape) * problem.batch * rows * columns)
+
+
+def winograd_tiles(x):
+    """NumPy: x [N, H, W, C] -> [16, T, C], each tile's Bt d B (Lavin and Gray 2016, F(2x2, 3x3)), tiles of 2x2
+    outputs in (image, row, column) order, each reading its 4x4 pixels from one before it, zeros outside."""
+    bt = np.array([[1, 0, -1, 0], [0, 1, 1, 0], [0, -1, 1, 0], [0, 1, 0, -1]], np.float64)
+    n, h, w, c = x.shape
+    rows, columns = -(-h // 2), -(-w // 2)
+    padded = np.zeros((n, 2 * rows + 2, 2 * columns + 2, c))
+    padded[:, 1:h + 1, 1:w + 1] = x
+    tiles = [bt @ padded[i, 2 * a:2 * a + 4, 2 * b:2 * b + 4].transpose(2, 0, 1) @ bt.T
+             for i in range(n) for a in range(rows) for b in range(columns)]       # each [C, 4, 4]
+    return np.stack(tiles).reshape(len(tiles), c, 16).transpose(2, 0, 1)
+
+
+class WinogradKernelTest(tf.test.TestCase):
+    """kernels/winograd.cc's transforms: the input's against NumPy, and each backward transform as the adjoint of
+    its forward one (<f(a), b> = <a, f*(b)> for random a and b), which is what makes the gradients exact."""
+
+    def setUp(self):
+        super().setUp()
+        if not native.available():
+            self.skipTest('our kernels do not build on this machine (no C++ compiler)')
+        self.kernels = native.library()
+        self.rng = np.random.default_rng(5)
+
+    def normal(self, *shape):
+        return tf.constant(self.rng.normal(size=shape), tf.float32)
+
+    def test_input_tiles_are_numpys(self):
+        for shape in ((2, 6, 4, 3), (1, 5, 7, 2), (1, 1, 1, 1)):
+            x = self.normal(*shape)
+            self.assertAllClose(self.kernels.imagenet_tpu_winograd_input(x), winograd_tiles(x.numpy()),
+                                atol=1e-5, msg=str(shape))
+
+    def test_backward_transforms_are_the_adjoints(self):
+        k = self.kernels
+
+        def check(forward, backward, a, b):
+            self.assertAllClose(tf.reduce_sum(forward(a) * b), tf.reduce_sum(a * backward(b)), rtol=1e-4)
+
+        for n, h, w, c in ((2, 6, 4, 3), (1, 5, 7, 2)):
+            tiles = n * -(-h // 2) * -(-w // 2)
+            check(k.imagenet_tpu_winograd_input,
+                  lambda v, h=h, w=w: k.imagenet_tpu_winograd_input_grad(v, height=h, width=w),
+                  self.normal(n, h, w, c), self.normal(16, tiles, c))
+            check(k.imagenet_tpu_winograd_output_grad,
+                  lambda m, h=h, w=w: k.imagenet_tpu_winograd_output(m, height=h, width=w),
+                  self.normal(n, h, w, c), self.normal(16, tiles, c))
+        check(k.imagenet_tpu_winograd_filter, k.imagenet_tpu_winograd_filter_grad, self.normal(3, 3, 5, 4),
+              self.normal(16, 5, 4))
+
+    def test_bad_shapes_are_one_line_errors(self):
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'not whole images of 4x4'):
+            self.kernels.imagenet_tpu_winograd_output(self.normal(16, 5, 3), height=4, width=4)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r'expected a filter \[3, 3, C, F\]'):
+            self.kernels.imagenet_tpu_winograd_filter(self.normal(5, 5, 2, 2))
 
 
 class TuningTest(tf.test.TestCase):
@@ -291,6 +362,36 @@ class ResNetTuningTest(tf.test.TestCase):
             self.assertEqual(problem.batch, 4)
             for part, name in choice.items():
                 self.assertIn(name, convolution.candidates(problem)[part])
+        for got, expected in zip(tuned, gradients(networks[1])):
+            self.assertAllClose(got, expected, atol=1e-3, rtol=1e-4)
+
+    def test_winograd_resnet_step_equals_keras(self):
+        """A small ResNet with 'winograd' for every computation of its 3x3 stride-1 convolutions (in the step's
+        function, where the graph optimizer merges the transforms that the forward pass and the two gradients share)
+        has the loss gradients of the same network with Keras's convolutions."""
+        if not native.available():
+            self.skipTest('our kernels do not build on this machine (no C++ compiler)')
+        images = tf.constant(np.random.default_rng(3).uniform(0, 255, size=(4, 32, 32, 3)), tf.float32)
+        networks = [resnet.resnet(18, 10, image_size=32, tune_convolutions=tune) for tune in (True, False)]
+        networks[1].set_weights(networks[0].get_weights())
+        chosen = []
+
+        def choose(problem, measure_fn=None, may_measure=True):
+            name = 'winograd' if convolution.winograd_applies(problem) else 'convolution'
+            chosen.append(name)
+            return {part: name for part in convolution.PARTS}
+
+        def gradients(network):
+            @tf.function
+            def step(images):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.square(network(images, training=True)))
+                return tape.gradient(loss, network.trainable_variables)
+            return step(images)
+
+        with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), mock.patch.object(convolution, 'choose', choose):
+            tuned = gradients(networks[0])
+        self.assertEqual(chosen.count('winograd'), 13)     # ResNet-18's 3x3 stride-1 convolutions: 16 less 3 strided
         for got, expected in zip(tuned, gradients(networks[1])):
             self.assertAllClose(got, expected, atol=1e-3, rtol=1e-4)
 

@@ -17,7 +17,9 @@ are v1.5 (stride on the 3x3: 4.09 GMAC): besides images/s the ratios are also gi
 
 The machine's peak: a float32 matrix product of --peak_size x --peak_size, on the same threads, timed after the
 rounds (best of --peak_repeats); each model's achieved FLOP/s (its forward multiply-adds above, times 3 for
-forward and backward, 2 FLOPs each, times images/s) is printed as a fraction of it.
+forward and backward, 2 FLOPs each, times images/s) is printed as a fraction of it. Where our convolutions run
+Winograd's F(2x2, 3x3) (imagenet_tpu/cpu/convolution.py) they do fewer multiply-adds than that count: the figure
+is then the rate at which a direct computation would have to run to take the same time.
 The last line printed is one JSON object with all figures. tf-models-official is the `peer` extra (BUILD.md);
 without it that model is skipped and said so.
 

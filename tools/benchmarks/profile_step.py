@@ -33,7 +33,7 @@ KINDS = {('convolution', 'forward_training'): 'convolution forward',
          ('convolution', 'backward_data'): 'convolution backward-data',
          ('convolution', 'backward_weights'): 'convolution backward-weights',
          ('gemm_api', 'undef'): 'matrix product', ('matmul', 'forward_training'): 'matrix product',
-         ('matmul', 'forward_inference'): 'matrix product',
+         ('matmul', 'forward_inference'): 'matrix product', ('matmul', 'undef'): 'matrix product',
          ('batch_normalization', 'forward_training'): 'batch norm forward',
          ('batch_normalization', 'backward'): 'batch norm backward',
          ('reorder', 'undef'): 'reorder'}
