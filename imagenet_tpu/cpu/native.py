@@ -23,8 +23,10 @@ from typing import Any, List, Optional
 from imagenet_tpu import runtime
 from imagenet_tpu.cpu import tuning
 
-SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels', name)
-                for name in ('batch_norm.cc', 'winograd.cc'))
+KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels')
+# The file compiled (it includes the others), and every file the binary is made of.
+UNIT = os.path.join(KERNELS, 'kernels.cc')
+SOURCES = tuple(os.path.join(KERNELS, name) for name in ('kernels.cc', 'batch_norm.cc', 'winograd.cc'))
 ENVIRONMENT = 'IMAGENET_TPU_NATIVE'
 # Compiling the kernels against TensorFlow's headers took 8-10 s on a 2-core machine; a compiler that hangs is
 # given up on.
@@ -41,7 +43,7 @@ def _compiler() -> Optional[str]:
 
 def _build_command(compiler: str, output: str) -> List[str]:
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    return [compiler, *FLAGS, *SOURCES, '-o', output, *tf.sysconfig.get_compile_flags(),
+    return [compiler, *FLAGS, UNIT, '-o', output, *tf.sysconfig.get_compile_flags(),
             *tf.sysconfig.get_link_flags()]
 
 
@@ -64,7 +66,7 @@ def _identity(compiler: str) -> str:
 
 
 def _build(compiler: str, path: str) -> None:
-    """Compiles SOURCES into ``path``, atomically (a temporary file renamed), raising RuntimeError with the
+    """Compiles UNIT into ``path``, atomically (a temporary file renamed), raising RuntimeError with the
     compiler's last line on failure."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix='.native-', suffix='.so')
