@@ -334,26 +334,33 @@ class Conv2DTest(tf.test.TestCase):
         self.assertAllEqual(ours.kernel, theirs.kernel)
 
 
+def small_resnets(seed):
+    """Random images [4, 32, 32, 3] and two ResNet-18s of the same weights: with tuned convolutions, and Keras's."""
+    images = tf.constant(np.random.default_rng(seed).uniform(0, 255, size=(4, 32, 32, 3)), tf.float32)
+    networks = [resnet.resnet(18, 10, image_size=32, tune_convolutions=tune) for tune in (True, False)]
+    networks[1].set_weights(networks[0].get_weights())
+    return images, networks
+
+
+def loss_gradients(network, images):
+    """The gradients of a loss of ``network``'s training-mode output, in one traced step."""
+    @tf.function
+    def step(images):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(network(images, training=True)))
+        return tape.gradient(loss, network.trainable_variables)
+    return step(images)
+
+
 class ResNetTuningTest(tf.test.TestCase):
 
     def test_tuned_resnet_step_equals_the_untuned_one(self):
         """A real tuning run on a small ResNet: every convolution problem of the step is measured, and the
         network's loss gradients equal those of the same network with Keras's convolutions."""
-        images = tf.constant(np.random.default_rng(2).uniform(0, 255, size=(4, 32, 32, 3)), tf.float32)
-        networks = [resnet.resnet(18, 10, image_size=32, tune_convolutions=tune) for tune in (True, False)]
-        networks[1].set_weights(networks[0].get_weights())
-
-        def gradients(network):
-            @tf.function
-            def step(images):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(tf.square(network(images, training=True)))
-                return tape.gradient(loss, network.trainable_variables)
-            return step(images)
-
+        images, networks = small_resnets(seed=2)
         with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), \
                 mock.patch.dict(convolution._choices, clear=True):
-            tuned = gradients(networks[0])
+            tuned = loss_gradients(networks[0], images)
             problems = dict(convolution._choices)
         expected = {Problem(4, *layer.input_shape[1:], layer.filters, layer.kernel_size, layer.strides, 'SAME')
                     for layer in networks[0].layers if isinstance(layer, convolution.Conv2D)}
@@ -362,7 +369,7 @@ class ResNetTuningTest(tf.test.TestCase):
             self.assertEqual(problem.batch, 4)
             for part, name in choice.items():
                 self.assertIn(name, convolution.candidates(problem)[part])
-        for got, expected in zip(tuned, gradients(networks[1])):
+        for got, expected in zip(tuned, loss_gradients(networks[1], images)):
             self.assertAllClose(got, expected, atol=1e-3, rtol=1e-4)
 
     def test_winograd_resnet_step_equals_keras(self):
@@ -371,9 +378,7 @@ class ResNetTuningTest(tf.test.TestCase):
         has the loss gradients of the same network with Keras's convolutions."""
         if not native.available():
             self.skipTest('our kernels do not build on this machine (no C++ compiler)')
-        images = tf.constant(np.random.default_rng(3).uniform(0, 255, size=(4, 32, 32, 3)), tf.float32)
-        networks = [resnet.resnet(18, 10, image_size=32, tune_convolutions=tune) for tune in (True, False)]
-        networks[1].set_weights(networks[0].get_weights())
+        images, networks = small_resnets(seed=3)
         chosen = []
 
         def choose(problem, measure_fn=None, may_measure=True):
@@ -381,18 +386,10 @@ class ResNetTuningTest(tf.test.TestCase):
             chosen.append(name)
             return {part: name for part in convolution.PARTS}
 
-        def gradients(network):
-            @tf.function
-            def step(images):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_sum(tf.square(network(images, training=True)))
-                return tape.gradient(loss, network.trainable_variables)
-            return step(images)
-
         with mock.patch.object(convolution, 'MIN_MULTIPLY_ADDS', 0), mock.patch.object(convolution, 'choose', choose):
-            tuned = gradients(networks[0])
+            tuned = loss_gradients(networks[0], images)
         self.assertEqual(chosen.count('winograd'), 13)     # ResNet-18's 3x3 stride-1 convolutions: 16 less 3 strided
-        for got, expected in zip(tuned, gradients(networks[1])):
+        for got, expected in zip(tuned, loss_gradients(networks[1], images)):
             self.assertAllClose(got, expected, atol=1e-3, rtol=1e-4)
 
     def test_tune_network_before_training(self):

@@ -16,19 +16,9 @@
 #include <limits>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
+#include "common.h"
 
 namespace imagenet_tpu {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 REGISTER_OP("ImagenetTpuBatchNorm")
     .Input("x: float")
@@ -81,22 +71,6 @@ void AffineOf(int64_t channels, const float* gamma, const float* beta, const flo
     scale[c] = gamma[c] / std::sqrt(variance[c] + epsilon);
     offset[c] = beta[c] - mean[c] * scale[c];
   }
-}
-
-int NumShards(OpKernelContext* context, int64_t rows) {
-  const int threads = context->device()->tensorflow_cpu_worker_threads()->num_threads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, rows)));
-}
-
-// fn(shard, first row, end row) for `shards` contiguous ranges of `rows`, on the op's thread pool.
-template <typename Fn>
-void ForShards(OpKernelContext* context, int shards, int64_t rows, const Fn& fn) {
-  auto* pool = context->device()->tensorflow_cpu_worker_threads()->workers;
-  pool->TransformRangeConcurrently(1, shards, [&](int64_t first, int64_t end) {
-    for (int64_t shard = first; shard < end; ++shard) {
-      fn(shard, rows * shard / shards, rows * (shard + 1) / shards);
-    }
-  });
 }
 
 // Per-channel sums over rows [first, end) of two functions of the row, into double partials:

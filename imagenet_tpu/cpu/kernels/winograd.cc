@@ -21,19 +21,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
+#include "common.h"
 
 namespace imagenet_tpu {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
-namespace shape_inference = ::tensorflow::shape_inference;
 
 namespace {
 
@@ -101,17 +91,6 @@ REGISTER_OP("ImagenetTpuWinogradInputGrad")
 
 namespace {
 
-// fn(first, end) for one contiguous range of [0, count) per thread of the op's pool.
-template <typename Fn>
-void ForRanges(OpKernelContext* context, int64_t count, const Fn& fn) {
-  const int threads = context->device()->tensorflow_cpu_worker_threads()->num_threads;
-  const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(threads, count));
-  auto* pool = context->device()->tensorflow_cpu_worker_threads()->workers;
-  pool->TransformRangeConcurrently(1, shards, [&](int64_t first, int64_t end) {
-    for (int64_t shard = first; shard < end; ++shard) fn(count * shard / shards, count * (shard + 1) / shards);
-  });
-}
-
 // A map [N, H, W, C] and its tiles' matrix [16, T, C].
 struct Geometry {
   int64_t images, height, width, channels, tile_rows, tile_columns;
@@ -164,48 +143,57 @@ bool CheckTiles(OpKernelContext* context, const Tensor& tiles, int64_t height, i
 
 }  // namespace
 
+// A kernel from a map [N, H, W, C] (input 0) to its tiles' matrix [16, T, C] (output 0): for each tile (n, a, b),
+// the pixels of the kSize x kSize block from row 2a + offset and column 2b + offset (zeros outside the map) as p[],
+// the tile's 16 rows of the matrix as o[], and transform(p, o, c) for each channel c.
+template <int kSize, typename Transform>
+void MapToTiles(OpKernelContext* context, int offset, const Transform& transform) {
+  const Tensor& map_tensor = context->input(0);
+  if (!CheckMap(context, map_tensor)) return;
+  const Geometry g = OfMap(map_tensor);
+  Tensor* tiles_tensor;
+  OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({16, g.tiles(), g.channels}), &tiles_tensor));
+  const float* map = map_tensor.flat<float>().data();
+  float* tiles = tiles_tensor->flat<float>().data();
+  const int64_t C = g.channels, T = g.tiles();
+  const std::vector<float> zeros(C, 0.f);
+  ForRanges(context, T, [&](int64_t first, int64_t end) {
+    ForTiles(g, first, end, [&](int64_t t, int64_t n, int64_t a, int64_t b) {
+      const float* p[kSize * kSize];
+      for (int i = 0; i < kSize; ++i) {
+        for (int j = 0; j < kSize; ++j) {
+          const float* pixel = g.Pixel(map, n, 2 * a + offset + i, 2 * b + offset + j);
+          p[kSize * i + j] = pixel ? pixel : zeros.data();
+        }
+      }
+      float* o[16];
+      for (int k = 0; k < 16; ++k) o[k] = tiles + (k * T + t) * C;
+#pragma GCC ivdep
+      for (int64_t c = 0; c < C; ++c) transform(p, o, c);
+    });
+  });
+}
+
 class WinogradInputOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& x_tensor = context->input(0);
-    if (!CheckMap(context, x_tensor)) return;
-    const Geometry g = OfMap(x_tensor);
-    Tensor* v_tensor;
-    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({16, g.tiles(), g.channels}), &v_tensor));
-    const float* x = x_tensor.flat<float>().data();
-    float* v = v_tensor->flat<float>().data();
-    const int64_t C = g.channels, T = g.tiles();
-    const std::vector<float> zeros(C, 0.f);
-    ForRanges(context, T, [&](int64_t first, int64_t end) {
-      ForTiles(g, first, end, [&](int64_t t, int64_t n, int64_t a, int64_t b) {
-        const float* p[16];
-        for (int i = 0; i < 4; ++i) {
-          for (int j = 0; j < 4; ++j) {
-            const float* pixel = g.Pixel(x, n, 2 * a - 1 + i, 2 * b - 1 + j);
-            p[4 * i + j] = pixel ? pixel : zeros.data();
-          }
-        }
-        float* o[16];
-        for (int k = 0; k < 16; ++k) o[k] = v + (k * T + t) * C;
-#pragma GCC ivdep
-        for (int64_t c = 0; c < C; ++c) {
-          float r[16];  // Bt d: rows
-          for (int j = 0; j < 4; ++j) {
-            r[j] = p[j][c] - p[8 + j][c];
-            r[4 + j] = p[4 + j][c] + p[8 + j][c];
-            r[8 + j] = p[8 + j][c] - p[4 + j][c];
-            r[12 + j] = p[4 + j][c] - p[12 + j][c];
-          }
-          for (int i = 0; i < 4; ++i) {  // (Bt d) B: columns
-            o[4 * i][c] = r[4 * i] - r[4 * i + 2];
-            o[4 * i + 1][c] = r[4 * i + 1] + r[4 * i + 2];
-            o[4 * i + 2][c] = r[4 * i + 2] - r[4 * i + 1];
-            o[4 * i + 3][c] = r[4 * i + 1] - r[4 * i + 3];
-          }
-        }
-      });
+    // The 4x4 pixels of each tile, from one row and column before its outputs: Bt d B.
+    MapToTiles<4>(context, -1, [](const float* const* p, float* const* o, int64_t c) {
+      float r[16];  // Bt d: rows
+      for (int j = 0; j < 4; ++j) {
+        r[j] = p[j][c] - p[8 + j][c];
+        r[4 + j] = p[4 + j][c] + p[8 + j][c];
+        r[8 + j] = p[8 + j][c] - p[4 + j][c];
+        r[12 + j] = p[4 + j][c] - p[12 + j][c];
+      }
+      for (int i = 0; i < 4; ++i) {  // (Bt d) B: columns
+        o[4 * i][c] = r[4 * i] - r[4 * i + 2];
+        o[4 * i + 1][c] = r[4 * i + 1] + r[4 * i + 2];
+        o[4 * i + 2][c] = r[4 * i + 2] - r[4 * i + 1];
+        o[4 * i + 3][c] = r[4 * i + 1] - r[4 * i + 3];
+      }
     });
   }
 };
@@ -215,63 +203,62 @@ class WinogradOutputGradOp : public OpKernel {
   using OpKernel::OpKernel;
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& dy_tensor = context->input(0);
-    if (!CheckMap(context, dy_tensor)) return;
-    const Geometry g = OfMap(dy_tensor);
-    Tensor* dm_tensor;
-    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({16, g.tiles(), g.channels}), &dm_tensor));
-    const float* dy = dy_tensor.flat<float>().data();
-    float* dm = dm_tensor->flat<float>().data();
-    const int64_t C = g.channels, T = g.tiles();
-    const std::vector<float> zeros(C, 0.f);
-    ForRanges(context, T, [&](int64_t first, int64_t end) {
-      ForTiles(g, first, end, [&](int64_t t, int64_t n, int64_t a, int64_t b) {
-        const float* p[4];
-        for (int i = 0; i < 2; ++i) {
-          for (int j = 0; j < 2; ++j) {
-            const float* pixel = g.Pixel(dy, n, 2 * a + i, 2 * b + j);
-            p[2 * i + j] = pixel ? pixel : zeros.data();
-          }
-        }
-        float* o[16];
-        for (int k = 0; k < 16; ++k) o[k] = dm + (k * T + t) * C;
-#pragma GCC ivdep
-        for (int64_t c = 0; c < C; ++c) {
-          float r[8];  // A dy: rows 0..3 of 2 columns
-          for (int j = 0; j < 2; ++j) {
-            r[j] = p[j][c];
-            r[2 + j] = p[j][c] + p[2 + j][c];
-            r[4 + j] = p[j][c] - p[2 + j][c];
-            r[6 + j] = -p[2 + j][c];
-          }
-          for (int i = 0; i < 4; ++i) {  // (A dy) At: columns
-            o[4 * i][c] = r[2 * i];
-            o[4 * i + 1][c] = r[2 * i] + r[2 * i + 1];
-            o[4 * i + 2][c] = r[2 * i] - r[2 * i + 1];
-            o[4 * i + 3][c] = -r[2 * i + 1];
-          }
-        }
-      });
+    // The 2x2 outputs of each tile: A dy At.
+    MapToTiles<2>(context, 0, [](const float* const* p, float* const* o, int64_t c) {
+      float r[8];  // A dy: rows 0..3 of 2 columns
+      for (int j = 0; j < 2; ++j) {
+        r[j] = p[j][c];
+        r[2 + j] = p[j][c] + p[2 + j][c];
+        r[4 + j] = p[j][c] - p[2 + j][c];
+        r[6 + j] = -p[2 + j][c];
+      }
+      for (int i = 0; i < 4; ++i) {  // (A dy) At: columns
+        o[4 * i][c] = r[2 * i];
+        o[4 * i + 1][c] = r[2 * i] + r[2 * i + 1];
+        o[4 * i + 2][c] = r[2 * i] - r[2 * i + 1];
+        o[4 * i + 3][c] = -r[2 * i + 1];
+      }
     });
   }
 };
 
-class WinogradOutputOp : public OpKernel {
+// A kernel from a tiles' matrix [16, T, C] to maps of the height and width its attributes give.
+class MapOfTilesOp : public OpKernel {
  public:
-  explicit WinogradOutputOp(OpKernelConstruction* context) : OpKernel(context) {
+  explicit MapOfTilesOp(OpKernelConstruction* context) : OpKernel(context) {
     OP_REQUIRES_OK(context, context->GetAttr("height", &height_));
     OP_REQUIRES_OK(context, context->GetAttr("width", &width_));
   }
 
+ protected:
+  // Checks input 0, allocates output 0 and gives the geometry and both buffers; false after an error.
+  bool Start(OpKernelContext* context, Geometry* g, const float** tiles, float** map) {
+    const Tensor& tiles_tensor = context->input(0);
+    if (!CheckTiles(context, tiles_tensor, height_, width_, g)) return false;
+    Tensor* map_tensor;
+    const absl::Status status =
+        context->allocate_output(0, TensorShape({g->images, g->height, g->width, g->channels}), &map_tensor);
+    if (!status.ok()) {
+      context->CtxFailure(status);
+      return false;
+    }
+    *tiles = tiles_tensor.flat<float>().data();
+    *map = map_tensor->flat<float>().data();
+    return true;
+  }
+
+  int64_t height_, width_;
+};
+
+class WinogradOutputOp : public MapOfTilesOp {
+ public:
+  using MapOfTilesOp::MapOfTilesOp;
+
   void Compute(OpKernelContext* context) override {
-    const Tensor& m_tensor = context->input(0);
     Geometry g;
-    if (!CheckTiles(context, m_tensor, height_, width_, &g)) return;
-    Tensor* y_tensor;
-    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({g.images, g.height, g.width, g.channels}),
-                                                     &y_tensor));
-    const float* m = m_tensor.flat<float>().data();
-    float* y = y_tensor->flat<float>().data();
+    const float* m;
+    float* y;
+    if (!Start(context, &g, &m, &y)) return;
     const int64_t C = g.channels, T = g.tiles();
     ForRanges(context, T, [&](int64_t first, int64_t end) {
       std::vector<float> discard(C);  // where outputs outside the map go (the last tiles of odd sizes)
@@ -300,27 +287,17 @@ class WinogradOutputOp : public OpKernel {
       });
     });
   }
-
- private:
-  int64_t height_, width_;
 };
 
-class WinogradInputGradOp : public OpKernel {
+class WinogradInputGradOp : public MapOfTilesOp {
  public:
-  explicit WinogradInputGradOp(OpKernelConstruction* context) : OpKernel(context) {
-    OP_REQUIRES_OK(context, context->GetAttr("height", &height_));
-    OP_REQUIRES_OK(context, context->GetAttr("width", &width_));
-  }
+  using MapOfTilesOp::MapOfTilesOp;
 
   void Compute(OpKernelContext* context) override {
-    const Tensor& dv_tensor = context->input(0);
     Geometry g;
-    if (!CheckTiles(context, dv_tensor, height_, width_, &g)) return;
-    Tensor* dx_tensor;
-    OP_REQUIRES_OK(context, context->allocate_output(0, TensorShape({g.images, g.height, g.width, g.channels}),
-                                                     &dx_tensor));
-    const float* dv = dv_tensor.flat<float>().data();
-    float* dx = dx_tensor->flat<float>().data();
+    const float* dv;
+    float* dx;
+    if (!Start(context, &g, &dv, &dx)) return;
     const int64_t C = g.channels, T = g.tiles(), image = g.height * g.width * C;
     // Tiles overlap by two rows and columns: each range of images adds its tiles into its own pixels, in order.
     ForRanges(context, g.images, [&](int64_t first, int64_t end) {
@@ -356,9 +333,6 @@ class WinogradInputGradOp : public OpKernel {
       });
     });
   }
-
- private:
-  int64_t height_, width_;
 };
 
 class WinogradFilterOp : public OpKernel {
