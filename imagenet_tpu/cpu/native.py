@@ -26,7 +26,7 @@ from imagenet_tpu.cpu import tuning
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'kernels')
 # The file compiled (it includes the others), and every file the binary is made of.
 UNIT = os.path.join(KERNELS, 'kernels.cc')
-SOURCES = tuple(os.path.join(KERNELS, name) for name in ('kernels.cc', 'common.h', 'batch_norm.cc', 'winograd.cc'))
+SOURCES = (UNIT, *(os.path.join(KERNELS, name) for name in ('common.h', 'batch_norm.cc', 'winograd.cc')))
 ENVIRONMENT = 'IMAGENET_TPU_NATIVE'
 # Compiling the kernels against TensorFlow's headers took 8-10 s on a 2-core machine; a compiler that hangs is
 # given up on.

@@ -335,6 +335,20 @@ class WinogradInputGradOp : public MapOfTilesOp {
   }
 };
 
+// The filter kernels: transform(p, o, e) for each column e of `size`, from kIn planes of `in` to kOut of `out`
+// (plane k of a buffer starts at k size).
+template <int kIn, int kOut, typename Transform>
+void ForPlanes(OpKernelContext* context, const float* in, float* out, int64_t size, const Transform& transform) {
+  ForRanges(context, size, [&](int64_t first, int64_t end) {
+    const float* p[kIn];
+    float* o[kOut];
+    for (int k = 0; k < kIn; ++k) p[k] = in + k * size;
+    for (int k = 0; k < kOut; ++k) o[k] = out + k * size;
+#pragma GCC ivdep
+    for (int64_t e = first; e < end; ++e) transform(p, o, e);
+  });
+}
+
 class WinogradFilterOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -343,32 +357,24 @@ class WinogradFilterOp : public OpKernel {
     const Tensor& w_tensor = context->input(0);
     OP_REQUIRES(context, w_tensor.dims() == 4 && w_tensor.dim_size(0) == 3 && w_tensor.dim_size(1) == 3,
                 errors::InvalidArgument("expected a filter [3, 3, C, F], got ", w_tensor.shape().DebugString()));
-    const int64_t size = w_tensor.dim_size(2) * w_tensor.dim_size(3);
     Tensor* u_tensor;
     OP_REQUIRES_OK(context, context->allocate_output(
                                 0, TensorShape({16, w_tensor.dim_size(2), w_tensor.dim_size(3)}), &u_tensor));
-    const float* w = w_tensor.flat<float>().data();
-    float* u = u_tensor->flat<float>().data();
-    ForRanges(context, size, [&](int64_t first, int64_t end) {
-      const float* p[9];
-      float* o[16];
-      for (int k = 0; k < 9; ++k) p[k] = w + k * size;
-      for (int k = 0; k < 16; ++k) o[k] = u + k * size;
-#pragma GCC ivdep
-      for (int64_t e = first; e < end; ++e) {
-        float r[12];
-        for (int j = 0; j < 3; ++j) {  // G w: rows
-          r[j] = p[j][e];
-          r[3 + j] = 0.5f * (p[j][e] + p[3 + j][e] + p[6 + j][e]);
-          r[6 + j] = 0.5f * (p[j][e] - p[3 + j][e] + p[6 + j][e]);
-          r[9 + j] = p[6 + j][e];
-        }
-        for (int i = 0; i < 4; ++i) {  // (G w) Gt: columns
-          o[4 * i][e] = r[3 * i];
-          o[4 * i + 1][e] = 0.5f * (r[3 * i] + r[3 * i + 1] + r[3 * i + 2]);
-          o[4 * i + 2][e] = 0.5f * (r[3 * i] - r[3 * i + 1] + r[3 * i + 2]);
-          o[4 * i + 3][e] = r[3 * i + 2];
-        }
+    ForPlanes<9, 16>(context, w_tensor.flat<float>().data(), u_tensor->flat<float>().data(),
+                     w_tensor.dim_size(2) * w_tensor.dim_size(3),
+                     [](const float* const* p, float* const* o, int64_t e) {
+      float r[12];
+      for (int j = 0; j < 3; ++j) {  // G w: rows
+        r[j] = p[j][e];
+        r[3 + j] = 0.5f * (p[j][e] + p[3 + j][e] + p[6 + j][e]);
+        r[6 + j] = 0.5f * (p[j][e] - p[3 + j][e] + p[6 + j][e]);
+        r[9 + j] = p[6 + j][e];
+      }
+      for (int i = 0; i < 4; ++i) {  // (G w) Gt: columns
+        o[4 * i][e] = r[3 * i];
+        o[4 * i + 1][e] = 0.5f * (r[3 * i] + r[3 * i + 1] + r[3 * i + 2]);
+        o[4 * i + 2][e] = 0.5f * (r[3 * i] - r[3 * i + 1] + r[3 * i + 2]);
+        o[4 * i + 3][e] = r[3 * i + 2];
       }
     });
   }
@@ -382,30 +388,22 @@ class WinogradFilterGradOp : public OpKernel {
     const Tensor& du_tensor = context->input(0);
     OP_REQUIRES(context, du_tensor.dims() == 3 && du_tensor.dim_size(0) == 16,
                 errors::InvalidArgument("expected [16, C, F], got ", du_tensor.shape().DebugString()));
-    const int64_t size = du_tensor.dim_size(1) * du_tensor.dim_size(2);
     Tensor* dw_tensor;
     OP_REQUIRES_OK(context, context->allocate_output(
                                 0, TensorShape({3, 3, du_tensor.dim_size(1), du_tensor.dim_size(2)}), &dw_tensor));
-    const float* du = du_tensor.flat<float>().data();
-    float* dw = dw_tensor->flat<float>().data();
-    ForRanges(context, size, [&](int64_t first, int64_t end) {
-      const float* p[16];
-      float* o[9];
-      for (int k = 0; k < 16; ++k) p[k] = du + k * size;
-      for (int k = 0; k < 9; ++k) o[k] = dw + k * size;
-#pragma GCC ivdep
-      for (int64_t e = first; e < end; ++e) {
-        float r[12];
-        for (int j = 0; j < 4; ++j) {  // Gt du: rows
-          r[j] = p[j][e] + 0.5f * (p[4 + j][e] + p[8 + j][e]);
-          r[4 + j] = 0.5f * (p[4 + j][e] - p[8 + j][e]);
-          r[8 + j] = 0.5f * (p[4 + j][e] + p[8 + j][e]) + p[12 + j][e];
-        }
-        for (int i = 0; i < 3; ++i) {  // (Gt du) G: columns
-          o[3 * i][e] = r[4 * i] + 0.5f * (r[4 * i + 1] + r[4 * i + 2]);
-          o[3 * i + 1][e] = 0.5f * (r[4 * i + 1] - r[4 * i + 2]);
-          o[3 * i + 2][e] = 0.5f * (r[4 * i + 1] + r[4 * i + 2]) + r[4 * i + 3];
-        }
+    ForPlanes<16, 9>(context, du_tensor.flat<float>().data(), dw_tensor->flat<float>().data(),
+                     du_tensor.dim_size(1) * du_tensor.dim_size(2),
+                     [](const float* const* p, float* const* o, int64_t e) {
+      float r[12];
+      for (int j = 0; j < 4; ++j) {  // Gt du: rows
+        r[j] = p[j][e] + 0.5f * (p[4 + j][e] + p[8 + j][e]);
+        r[4 + j] = 0.5f * (p[4 + j][e] - p[8 + j][e]);
+        r[8 + j] = 0.5f * (p[4 + j][e] + p[8 + j][e]) + p[12 + j][e];
+      }
+      for (int i = 0; i < 3; ++i) {  // (Gt du) G: columns
+        o[3 * i][e] = r[4 * i] + 0.5f * (r[4 * i + 1] + r[4 * i + 2]);
+        o[3 * i + 1][e] = 0.5f * (r[4 * i + 1] - r[4 * i + 2]);
+        o[3 * i + 2][e] = 0.5f * (r[4 * i + 1] + r[4 * i + 2]) + r[4 * i + 3];
       }
     });
   }
