@@ -10,12 +10,15 @@ import dataclasses
 import json
 import typing
 from typing import Optional, Tuple
-from urllib.parse import urlparse
 
 from imagenet_tpu.errors import ConfigError
+from imagenet_tpu.hardware import parse_topology
+from imagenet_tpu.parsing import (SERVICE_PROTOCOL, parse_floats, parse_mesh_shape, parse_service_address,
+                                  parse_step_range)
 
 __all__ = ['Config', 'ConfigError', 'SECTIONS', 'settings', 'RESNET_DEPTHS', 'RESIZE_METHODS',
-           'BN_INFERENCE_STATISTICS', 'SERVICE_MODES', 'tpu_slice', 'parse_topology', 'Topology']
+           'BN_INFERENCE_STATISTICS', 'SERVICE_MODES', 'SERVICE_PROTOCOL', 'parse_floats', 'parse_mesh_shape',
+           'parse_service_address', 'parse_step_range']
 
 SECTIONS = ('data', 'model', 'optimization', 'distribution', 'run')
 
@@ -39,106 +42,7 @@ def _section(name: str):
 data, model, optimization, distribution, run = (_section(name) for name in SECTIONS)
 
 
-def parse_mesh_shape(text: Optional[str]) -> Optional[Tuple[int, int]]:
-    """'16x32' -> (16, 32); empty stays None."""
-    if not text:
-        return None
-    try:
-        x, y = (int(part) for part in text.lower().split('x'))
-    except ValueError:
-        raise ConfigError(f'--mesh_shape must look like 16x32 (chips in x and y), got {text!r}') from None
-    return x, y
-
-
-def parse_step_range(text: Optional[str]) -> Optional[Tuple[int, int]]:
-    """'100,110' -> (100, 110): steps START..END (both counted from the run's first step, 1), START <= END;
-    empty stays None."""
-    if not text:
-        return None
-    try:
-        start, end = (int(part) for part in text.split(','))
-    except ValueError:
-        raise ConfigError(f'--profile_steps must be START,END (steps, e.g. 100,110), got {text!r}') from None
-    if not 1 <= start <= end:
-        raise ConfigError(f'--profile_steps must have 1 <= START <= END, got {text!r}')
-    return start, end
-
-
-# TPU slice names: cores in the name for v2, v3, v4 and v5p (2 TensorCores per chip; v4 and v5p show a chip as one
-# device), chips for v5e and v6e (one core each). Hosts hold 4 chips (v2, v3: 8 cores; v4, v5p: 4 chips); v5e and
-# v6e slices of up to 8 chips are one host, larger ones 4 chips per host. (Cloud TPU's system architecture pages.)
-TPU_GENERATIONS = {'v2': ('cores', 2, 4), 'v3': ('cores', 2, 4), 'v4': ('cores', 2, 4), 'v5p': ('cores', 2, 4),
-                   'v5e': ('chips', 1, 4), 'v5litepod': ('chips', 1, 4), 'v6e': ('chips', 1, 4)}
-GPU_MODELS = ('V100', 'A100', 'H100', 'H200', 'L40S', 'A30')     # --topology=[NODESx]GPUSxMODEL (plan/hardware.py)
-
-
-class Topology(typing.NamedTuple):
-    """What --topology names: ``chip`` ('v3', 'A100', 'cpu', ...), ``chips``, ``hosts``, and ``replicas`` (TPU
-    devices: 2 per chip on v2/v3, 1 on later TPUs; one per GPU; one per logical CPU device)."""
-    kind: str          # 'tpu', 'gpu' or 'cpu'
-    chip: str
-    chips: int
-    hosts: int
-    replicas: int
-
-
-def tpu_slice(name: str) -> Tuple[str, int, int]:
-    """'v3-1024' -> ('v3', 512 chips, 128 hosts). ConfigError for a name it does not know."""
-    generation, _, count = name.strip().lower().partition('-')
-    if generation not in TPU_GENERATIONS or not count.isdigit() or int(count) < 1:
-        raise ConfigError(f'--topology must name a TPU slice such as v3-1024 or v4-128 (generations: '
-                          f'{", ".join(TPU_GENERATIONS)}), or GPUs as 8xH100 or 32x8xA100, or cpu; got {name!r}')
-    unit, cores_per_chip, chips_per_host = TPU_GENERATIONS[generation]
-    chips = int(count) // cores_per_chip if unit == 'cores' else int(count)
-    if chips < 1 or (unit == 'cores' and int(count) % cores_per_chip):
-        raise ConfigError(f'--topology={name}: {generation} slices are named by cores, {cores_per_chip} per chip')
-    single_host_chips = 8 if unit == 'chips' else chips_per_host
-    hosts = 1 if chips <= single_host_chips else -(-chips // chips_per_host)
-    return generation, chips, hosts
-
-
-def parse_topology(name: str) -> Topology:
-    """A TPU slice ('v3-1024'), GPUs ('8xH100': one host; '32x8xA100': 32 hosts of 8), or logical CPU devices
-    ('cpu': one; '4xcpu', '2x2xcpu': 2 hosts of 2). ConfigError for anything else."""
-    parts = name.strip().split('x')
-    model = parts[-1]
-    counts = parts[:-1]
-    if model.lower() == 'cpu' or model.upper() in GPU_MODELS:
-        if len(counts) > 2 or not all(count.isdigit() and int(count) > 0 for count in counts):
-            raise ConfigError(f'--topology={name}: write GPUs as 8xH100 or 32x8xA100 (hosts x per host x model)')
-        hosts, per_host = (1, int(counts[0]) if counts else 1) if len(counts) < 2 else (int(counts[0]), int(counts[1]))
-        kind = 'cpu' if model.lower() == 'cpu' else 'gpu'
-        chip = 'cpu' if kind == 'cpu' else next(m for m in GPU_MODELS if m == model.upper())
-        return Topology(kind, chip, hosts * per_host, hosts, hosts * per_host)
-    generation, chips, hosts = tpu_slice(name)
-    replicas = chips * (TPU_GENERATIONS[generation][1] if generation in ('v2', 'v3') else 1)
-    return Topology('tpu', generation, chips, hosts, replicas)
-
-
-SERVICE_PROTOCOL = 'grpc'
-SERVICE_MODES = ('distributed_epoch', 'parallel_epochs')    # how a tf.data service shares the work (data/service.py)
-
-
-def parse_service_address(address: str) -> Tuple[str, int]:
-    """(host, port) of a tf.data service dispatcher's 'grpc://HOST:PORT'; ConfigError otherwise."""
-    parsed = urlparse(address)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme != SERVICE_PROTOCOL or not parsed.hostname or not port or parsed.path not in ('', '/'):
-        raise ConfigError(f'--data_service must be grpc://HOST:PORT (the dispatcher), got {address!r}')
-    return parsed.hostname, port
-
-
-def parse_floats(items) -> Tuple[float, ...]:
-    """['30', '60'] or '30,60' -> (30.0, 60.0)."""
-    if isinstance(items, str):
-        items = [item for item in items.split(',') if item.strip()]
-    try:
-        return tuple(float(item) for item in items)
-    except ValueError:
-        raise ConfigError(f'expected a comma-separated list of numbers, got {",".join(items)!r}') from None
+SERVICE_MODES = ('distributed_epoch', 'parallel_epochs')    # how a tf.data service shares work (data_service.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +112,6 @@ class Config:
                                       'stay float32.', choices=('float32', 'mixed_bfloat16', 'mixed_float16'))
     jit_compile: Optional[bool] = model(None, 'XLA-compile the train step (default: on with GPUs, off on CPUs; '
                                               'TPUs always compile).')
-    tune_convolutions: bool = model(True, "On machines without GPU or TPU, time each convolution's equivalent "
-                                          'formulations once and use the fastest (convolution.py); off: '
-                                          "TensorFlow's convolution op throughout. Never with --deterministic.")
     steps_per_execution: Optional[int] = model(None, 'Training steps per host call (default: 100 on TPU, capped '
                                                      'by an epoch; 1 elsewhere).', unit='steps', minimum=1)
     bn_momentum: float = model(0.9, 'Batch-norm moving-average momentum (0.9 as the recipes; 0.99 lags on short '
@@ -419,7 +320,7 @@ class Config:
 
     def eval_steps_for(self, num_input_pipelines: int) -> int:
         """Evaluation steps that cover every validation image once when ``num_input_pipelines`` hosts each read
-        every num_input_pipelines-th image (input_pipeline.eval_dataset): enough for the largest share."""
+        every num_input_pipelines-th image (eval_input.eval_dataset): enough for the largest share."""
         largest_share = -(-self.num_eval_images // num_input_pipelines)
         per_pipeline_step = self.eval_batch_size // num_input_pipelines
         return -(-largest_share // max(1, per_pipeline_step))

@@ -5,23 +5,19 @@ before it ships.
 """
 
 import dataclasses
-import json
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 
-from imagenet_tpu import evaluate
-from imagenet_tpu import train
+from imagenet_tpu import builders, evaluate
 from imagenet_tpu.config import Config
-from imagenet_tpu.data import labels
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import eval_input, labels
 from imagenet_tpu.errors import ConfigError
-from imagenet_tpu.serving import convert
-from imagenet_tpu.serving import export
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.files import write_json
+from imagenet_tpu.serving import convert, export
+from imagenet_tpu.training import run_folder
 
 REPRESENTATIVE_IMAGES = 256
 
@@ -38,7 +34,7 @@ def export_run(config: Config, which: str = 'latest', formats: Sequence[str] = c
     if len(paths) != 1:
         raise ConfigError(f'--checkpoint={which}: export one checkpoint (latest or a name such as ckpt-500)')
     path = paths[0]
-    checkpointing.check_model_settings(config, config.model_dir)
+    run_folder.check_model_settings(config, config.model_dir)
     if 'onnx' in formats:
         try:
             import tf2onnx, onnxruntime  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
@@ -49,10 +45,10 @@ def export_run(config: Config, which: str = 'latest', formats: Sequence[str] = c
     tf.io.gfile.makedirs(export_dir)
     evaluator = evaluate.Evaluator(config, strategy)
     evaluator.prepare(path)
-    network = train.build_export_network(config, evaluator.classifier.network)
+    network = builders.build_export_network(config, evaluator.classifier.network)
     names, _ = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
     files = {'saved_model': convert.file_path(export_dir, 'saved_model')}
-    export.export_saved_model(network, files['saved_model'], names, **train.export_settings(config))
+    export.export_saved_model(network, files['saved_model'], names, **builders.export_settings(config))
     print_fn(f'wrote {files["saved_model"]}')
     function = convert.logits_function(network, config.image_size, config.space_to_depth)
     for kind in formats:
@@ -63,7 +59,7 @@ def export_run(config: Config, which: str = 'latest', formats: Sequence[str] = c
         else:
             representative = None
             if kind == 'tflite_int8':
-                images = input_pipeline.calibration_dataset(config, representative_images).batch(1)
+                images = eval_input.calibration_dataset(config, representative_images).batch(1)
                 representative = lambda: ([batch] for batch in images.as_numpy_iterator())   # noqa: E731
             model = convert.to_tflite(function, network, representative)
             with tf.io.gfile.GFile(files[kind], 'wb') as f:
@@ -73,7 +69,7 @@ def export_run(config: Config, which: str = 'latest', formats: Sequence[str] = c
               'files': {kind: {'path': file, 'mib': round(size_mib(file), 2)} for kind, file in files.items()}}
     if evaluate_formats:
         result['evaluation'] = evaluate_files(config, files, print_fn)
-    checkpointing.write_json(os.path.join(export_dir, 'export.json'), result)
+    write_json(os.path.join(export_dir, 'export.json'), result)
     return result
 
 
@@ -84,7 +80,7 @@ def evaluate_files(config: Config, files: dict, print_fn=print) -> dict:
     models = {kind: convert.load(kind, path) for kind, path in files.items()}
     # The pixels the formats take: the evaluation preprocessing, float32, without the stem's space-to-depth.
     eval_config = dataclasses.replace(config, space_to_depth=False)
-    batches = input_pipeline.eval_dataset(eval_config, dtype=tf.float32).as_numpy_iterator()
+    batches = eval_input.eval_dataset(eval_config, dtype=tf.float32).as_numpy_iterator()
     results = convert.top_1(models, batches, print_fn, total=config.num_eval_images)
     reference = results['saved_model']['top_1']
     for kind, result in results.items():

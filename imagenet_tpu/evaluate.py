@@ -18,15 +18,14 @@ from typing import List, Optional
 import numpy as np
 import tensorflow as tf
 
+from imagenet_tpu import builders, files
 from imagenet_tpu import config as config_lib
-from imagenet_tpu import train
 from imagenet_tpu.config import Config
 from imagenet_tpu.data import labels
 from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.errors import CheckpointError
 from imagenet_tpu.model import batch_norm
-from imagenet_tpu.training import callbacks
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import callbacks, checkpoints, run_folder
 
 
 def _check_setting_types(path: str, values: dict) -> None:
@@ -56,11 +55,11 @@ def _check_setting_types(path: str, values: dict) -> None:
 def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
     """The Config a run trained with (MODEL_DIR/config.json), with ``overrides`` applied. CheckpointError naming
     the file when it is damaged: not JSON, not an object of settings, or settings that do not make a Config."""
-    path = os.path.join(model_dir, checkpointing.CONFIG_FILE)
+    path = os.path.join(model_dir, run_folder.CONFIG_FILE)
     if not tf.io.gfile.exists(path):
-        raise CheckpointError(f'--model_dir {model_dir} has no {checkpointing.CONFIG_FILE}: not a run of this '
+        raise CheckpointError(f'--model_dir {model_dir} has no {run_folder.CONFIG_FILE}: not a run of this '
                               'package, or one from before it wrote one (pass the run\'s flags, e.g. its --flagfile)')
-    values = checkpointing.read_json_object(path, 'settings')
+    values = files.read_json_object(path, 'settings')
     _check_setting_types(path, values)
     text = json.dumps(values)
     try:
@@ -70,7 +69,7 @@ def run_config(model_dir: str, overrides: Optional[dict] = None) -> Config:
             Config.from_json(text)
         except (TypeError, ValueError) as saved_error:
             raise CheckpointError(f'{path} holds settings that do not load: '
-                                  f'{checkpointing.first_line(saved_error)}') from None
+                                  f'{files.first_line(saved_error)}') from None
         raise error     # the file's settings load alone: the overrides are what does not work
 
 
@@ -78,10 +77,10 @@ def select_checkpoints(model_dir: str, which: str) -> List[str]:
     """Paths of the checkpoints ``which`` names ('latest', 'all' or 'ckpt-N') in MODEL_DIR/checkpoints."""
     directory = os.path.join(model_dir, 'checkpoints')
     try:
-        paths = checkpointing.checkpoint_paths(directory)
+        paths = checkpoints.checkpoint_paths(directory)
     except (ValueError, tf.errors.OpError, OSError) as error:   # a damaged state file ('checkpoint'), unreadable
         raise CheckpointError(f'cannot list the checkpoints in {directory} ({type(error).__name__}: '
-                              f'{checkpointing.first_line(error)})') from None
+                              f'{files.first_line(error)})') from None
     if not paths:
         raise CheckpointError(f'no checkpoint in {directory}')
     if which == 'latest':
@@ -105,20 +104,20 @@ class Evaluator:
 
     def __init__(self, config: Config, strategy: Optional[tf.distribute.Strategy] = None):
         self.config = config
-        self.strategy = strategy or train.build_strategy(config)
-        train.check_replicas(config, self.strategy.num_replicas_in_sync)
+        self.strategy = strategy or builders.build_strategy(config)
+        builders.check_replicas(config, self.strategy.num_replicas_in_sync)
         with self.strategy.scope():
-            self.classifier = train.build_classifier(config)
+            self.classifier = builders.build_classifier(config)
         # Checkpoints are restored by path (select_checkpoints), with no tf.train.CheckpointManager: making one
         # parses the run's state file, checkpoints/checkpoint, and raises on a damaged one.
-        self.checkpoint = checkpointing.run_checkpoint(self.classifier)
+        self.checkpoint = checkpoints.run_checkpoint(self.classifier)
         self.names, self.ids = labels.class_names(config.num_classes, config.label_offset, config.data_dir)
         self._step_fn = None
 
     def restore(self, path: str) -> None:
         try:
-            checkpointing.restore_checkpoint(self.checkpoint, path)
-        except checkpointing.READ_ERRORS as error:
+            checkpoints.restore_checkpoint(self.checkpoint, path)
+        except checkpoints.READ_ERRORS as error:
             raise CheckpointError(f'cannot read {path} ({type(error).__name__})') from None
 
     def _logits_step(self):
@@ -141,7 +140,7 @@ class Evaluator:
         if config.norm != 'none':
             callbacks.average_moving_statistics(network, self.strategy)
             if config.bn_inference_statistics == 'reestimate':
-                train_data = train.build_train_dataset(config, self.strategy, checkpoint_step(path))
+                train_data = builders.build_train_dataset(config, self.strategy, checkpoint_step(path))
                 batch_norm.reestimate_statistics(network, iter(train_data), config.bn_reestimate_batches,
                                                  self.strategy)
 
@@ -151,7 +150,7 @@ class Evaluator:
         config = self.config
         self.prepare(path)
         self._step_fn = self._step_fn or self._logits_step()
-        eval_data = train.build_eval_dataset(config, self.strategy)
+        eval_data = builders.build_eval_dataset(config, self.strategy)
         steps = config.eval_steps_for(strategy_lib.num_input_pipelines(self.strategy))
         classes = config.num_classes
         correct, counts = np.zeros(classes), np.zeros(classes)
@@ -217,7 +216,7 @@ def evaluate_run(config: Config, which: str = 'latest', strategy: Optional[tf.di
                  print_fn=print) -> List[dict]:
     """Evaluates the checkpoints ``which`` names of config.model_dir; writes and returns their results."""
     paths = select_checkpoints(config.model_dir, which)
-    checkpointing.check_model_settings(config, config.model_dir)
+    run_folder.check_model_settings(config, config.model_dir)
     evaluator = Evaluator(config, strategy)
     results = []
     for path in paths:

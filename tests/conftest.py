@@ -6,13 +6,8 @@ setting (imagenet_tpu/runtime.py), as the command line does.
 
 import os
 import sys
-import tempfile
 
-# The CPU tuners' cache (imagenet_tpu/cpu/tuning.py) of this test process, empty at its start: no test reads the
-# user's, and the processes a test starts share it.
-os.environ['IMAGENET_TPU_CACHE'] = tempfile.mkdtemp(prefix='imagenet-tpu-tuning-')
-
-from imagenet_tpu import runtime  # noqa: E402
+from imagenet_tpu import runtime
 
 runtime.import_tensorflow()
 

@@ -163,7 +163,7 @@ class EvaluateTest(tf.test.TestCase):
                     evaluate.evaluate_run(config, 'latest', print_fn=lambda line: None)
 
     def test_a_damaged_checkpoint_state_file_is_no_traceback(self):
-        # TensorFlow's state file is only a hint (checkpointing.checkpoint_paths lists the checkpoints' own files),
+        # TensorFlow's state file is only a hint (checkpoints.checkpoint_paths lists the checkpoints' own files),
         # and the evaluator makes no CheckpointManager, which would parse it: the latest checkpoint is evaluated.
         # (Where the state file is what lists the checkpoints, the error is one line naming the folder.)
         for name, content in (('random_bytes', bytes(np.random.default_rng(1).integers(0, 256, 200, np.uint8))),

@@ -14,7 +14,7 @@ import helpers
 from imagenet_tpu.model import batch_norm
 from imagenet_tpu.training import callbacks
 from imagenet_tpu.serving import export
-from imagenet_tpu import train
+from imagenet_tpu import builders
 
 helpers.use_eight_cpus()
 
@@ -43,7 +43,7 @@ class EvaluationCostsTest(tf.test.TestCase):
         self.strategy = helpers.mirrored(4)
         self.config = helpers.tiny_config(norm='batch_norm', seed=3)
         with self.strategy.scope():
-            self.network = train.build_network(self.config, 4)
+            self.network = builders.build_network(self.config, 4)
         make_replicas_differ(self.network, self.strategy)
 
     def test_averaging_in_one_step_equals_the_assignment_from_the_host(self):
@@ -53,7 +53,7 @@ class EvaluationCostsTest(tf.test.TestCase):
         after = [per_replica(self.strategy, v) for v in statistics(self.network)]
         # The package's former way: each variable assigned its aggregated (mean) read from the host.
         with self.strategy.scope():
-            twin = train.build_network(self.config, 4)
+            twin = builders.build_network(self.config, 4)
         for variable, values in zip(statistics(twin), before):
             self.strategy.run(tf.function(lambda v=variable, x=tf.constant(values): v.assign(
                 tf.gather(x, tf.distribute.get_replica_context().replica_id_in_sync_group))))
@@ -92,9 +92,9 @@ class EvaluationCostsTest(tf.test.TestCase):
         root = tempfile.mkdtemp(dir=self.get_temp_dir())
         names = [f'class {i}' for i in range(self.config.num_classes)]
         export.export_saved_model(self.network, os.path.join(root, 'distributed'), names,
-                                  **train.export_settings(self.config))
-        twin = train.build_export_network(self.config, self.network)
-        export.export_saved_model(twin, os.path.join(root, 'twin'), names, **train.export_settings(self.config))
+                                  **builders.export_settings(self.config))
+        twin = builders.build_export_network(self.config, self.network)
+        export.export_saved_model(twin, os.path.join(root, 'twin'), names, **builders.export_settings(self.config))
         images = tf.constant(np.random.default_rng(0).uniform(0, 255, (6, 16, 16, 3)).astype(np.float32))
         outputs = {name: tf.saved_model.load(os.path.join(root, name)).signatures['serving_preprocessed'](
             images=images)['logits'].numpy() for name in ('distributed', 'twin')}

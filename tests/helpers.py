@@ -14,9 +14,10 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu.distribute import strategy
-from imagenet_tpu.data import tfrecord
+from imagenet_tpu import builders
 from imagenet_tpu.config import Config
+from imagenet_tpu.data import tfrecord
+from imagenet_tpu.distribute import strategy
 
 NUM_DEVICES = 8
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,11 +164,10 @@ def train_from(config, initial_weights, strategy, dataset, steps: int = 3) -> li
     """Builds a classifier under ``strategy``, sets ``initial_weights``, trains ``steps`` steps of ``dataset``
     with model.fit and returns the network's weights.
 
-    ``config``: a Config (the classifier is train.build_classifier(config)) or a callable returning a compiled
+    ``config``: a Config (the classifier is builders.build_classifier(config)) or a callable returning a compiled
     classifier_lib.Classifier; either is used inside ``strategy.scope()``."""
-    from imagenet_tpu import train
     with strategy.scope():
-        classifier = config() if callable(config) else train.build_classifier(config)
+        classifier = config() if callable(config) else builders.build_classifier(config)
         classifier.network.set_weights(initial_weights)
     classifier.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
     return classifier.network.get_weights()
@@ -180,11 +180,10 @@ def train_same_start(runs, *, steps: int = 3, dataset=None, initial=None) -> tup
     A run's config is a Config or a callable returning a compiled Classifier (see train_from). ``initial``:
     the starting weights, by default those of the first run's network (a Config) built with Keras seed 0.
     ``dataset``: by default equivalence_batches(steps)."""
-    from imagenet_tpu import train
     dataset = dataset if dataset is not None else equivalence_batches(steps)
     if initial is None:
         keras.utils.set_random_seed(0)
-        initial = train.build_network(runs[0][0]).get_weights()
+        initial = builders.build_network(runs[0][0]).get_weights()
     return initial, [train_from(config, initial, strategy, dataset, steps) for config, strategy in runs]
 
 

@@ -9,7 +9,7 @@ from absl.testing import flagsaver, parameterized
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.commands import common
 from imagenet_tpu.commands import train as command  # noqa: F401  (defines the flags)
 
@@ -101,10 +101,10 @@ class RecipesTest(tf.test.TestCase, parameterized.TestCase):
         with open(path) as f:     # set in the file, not left to the default
             self.assertEqual([line.strip() for line in f if line.startswith('--global_batch_size=')],
                              [f'--global_batch_size={batch}'])
-        optimizer = train.build_optimizer(config)
+        optimizer = builders.build_optimizer(config)
         self.assertEqual(type(optimizer).__name__, {'sgd': 'SGD', 'lars': 'LARS',
                                                     'rmsprop_warmup': 'RMSpropWarmup'}[config.optimizer])
-        rate = train.build_learning_rate(config)
+        rate = builders.build_learning_rate(config)
         # The schedule sampled at ~200 steps: at most 1/200 of the run away from the warm-up's end (the peak).
         peak = max(float(rate(step)) for step in range(0, config.train_steps + 1, max(1, config.train_steps // 200)))
         self.assertAllClose(peak, published_peak, rtol=0.02)

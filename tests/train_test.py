@@ -11,10 +11,12 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import checkpoints
+from imagenet_tpu.training import loop
 from imagenet_tpu import errors
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import eval_input, input_pipeline
 from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.config import ConfigError
 
 helpers.use_eight_cpus()
@@ -29,16 +31,16 @@ class BuildersTest(tf.test.TestCase):
         # over every trainable variable whose name lacks 'batch_normalization', also under LARS.
         config = helpers.tiny_config(norm='batch_norm', optimizer='lars', lars_variant='mlperf_v0.6',
                                      weight_decay=1e-3)
-        classifier = train.build_classifier(config)
+        classifier = builders.build_classifier(config)
         variables = classifier.network.trainable_variables
         self.assertEqual(classifier.weight_decay, 1e-3)
         self.assertEqual([v.name for v in variables if classifier.decayed(v)],
                          [v.name for v in variables if not v.name.endswith(('gamma:0', 'beta:0'))])
         self.assertIn('logits/bias:0', [v.name for v in variables if classifier.decayed(v)])
         for variant in ('mlperf', 'tfm'):    # these decay inside the update, never in the loss
-            other = train.build_classifier(dataclasses.replace(config, lars_variant=variant))
+            other = builders.build_classifier(dataclasses.replace(config, lars_variant=variant))
             self.assertEqual(other.weight_decay, 0.0)
-        momentum = train.build_classifier(dataclasses.replace(config, optimizer='sgd'))
+        momentum = builders.build_classifier(dataclasses.replace(config, optimizer='sgd'))
         self.assertEqual([v.name for v in variables if momentum.decayed(v)],
                          [v.name for v in variables if v.name.endswith('kernel:0')])
 
@@ -62,10 +64,10 @@ class TrainAndEvaluateTest(tf.test.TestCase):
                                          print_fn=lines.append)
         self.assertEqual(first['steps'], 2)
         with strategy.scope():
-            saved = train.build_classifier(self.config)
-        manager = checkpointing.checkpoint_manager(saved, self.config.model_dir)
+            saved = builders.build_classifier(self.config)
+        manager = checkpoints.checkpoint_manager(saved, self.config.model_dir)
         self.assertTrue(manager.latest_checkpoint.endswith('ckpt-2'), manager.latest_checkpoint)
-        checkpointing.restore_latest(manager)
+        checkpoints.restore_latest(manager)
         self.assertEqual(int(saved.optimizer.iterations.numpy()), 2)
 
         lines.clear()
@@ -92,7 +94,7 @@ class TrainAndEvaluateTest(tf.test.TestCase):
         results = train.train_and_evaluate(config, helpers.mirrored(4), print_fn=lambda line: None)
         served = tf.saved_model.load(os.path.join(config.model_dir, 'saved_model')).signatures['serving_preprocessed']
         losses, correct = [], []
-        for images, labels, weights in input_pipeline.eval_dataset(config):
+        for images, labels, weights in eval_input.eval_dataset(config):
             logits = served(images=images)['logits'].numpy().astype(np.float64)
             keep = weights.numpy() == 1
             logits, labels = logits[keep], labels.numpy()[keep]
@@ -103,7 +105,7 @@ class TrainAndEvaluateTest(tf.test.TestCase):
             correct.extend(logits.argmax(1) == labels)
         self.assertLen(losses, 20)
         # The epoch's validation was of the final weights: it is the run's evaluation, not repeated after it.
-        self.assertEqual((results['evaluations'], train.planned_evaluations(config)), (1, 1))
+        self.assertEqual((results['evaluations'], loop.planned_evaluations(config)), (1, 1))
         self.assertAllClose(results['loss'], np.mean(losses), rtol=1e-5)
         self.assertAlmostEqual(results['top_1'], np.mean(correct), places=6)
 

@@ -1,5 +1,5 @@
 """python -m imagenet_tpu.commands.data_service dispatcher|worker: a tf.data service dispatcher or worker
-(imagenet_tpu.data.service), serving until killed (SIGTERM or Ctrl-C).
+(imagenet_tpu.data.data_service), serving until killed (SIGTERM or Ctrl-C).
 
     python -m imagenet_tpu.commands.data_service dispatcher --port=5050 [--host=NAME]
     python -m imagenet_tpu.commands.data_service worker --dispatcher=HOST:5050 [--port=5051] [--host=NAME]
@@ -22,13 +22,13 @@ import socket
 import sys
 import time
 
-if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
-    from imagenet_tpu.training import termination
-    termination.listen()
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (preemption.py)
+    from imagenet_tpu.training import preemption
+    preemption.listen()
 
 from imagenet_tpu.commands import common  # noqa: F401  first: a quiet TensorFlow start (common.py)
 from imagenet_tpu.config import SERVICE_PROTOCOL as PROTOCOL
-from imagenet_tpu.data.service import serve_dispatcher, serve_worker
+from imagenet_tpu.data.data_service import serve_dispatcher, serve_worker
 
 
 def parse_args(argv=None) -> argparse.Namespace:

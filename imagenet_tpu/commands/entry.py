@@ -1,13 +1,13 @@
-"""The console scripts: each takes SIGTERM over (training/termination.py) before its command's module imports
+"""The console scripts: each takes SIGTERM over (training/preemption.py) before its command's module imports
 TensorFlow, then runs the command. ``python -m imagenet_tpu.commands.NAME`` does the same at the top of NAME.py."""
 
 import importlib
 
-from imagenet_tpu.training import termination
+from imagenet_tpu.training import preemption
 
 
 def _run(name: str) -> None:
-    termination.listen()
+    preemption.listen()
     importlib.import_module(f'imagenet_tpu.commands.{name}').run()
 
 

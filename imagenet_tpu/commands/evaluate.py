@@ -15,9 +15,9 @@ class, named from labels.txt) and, for several checkpoints, accuracy.png and sum
 import dataclasses
 import os
 
-if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
-    from imagenet_tpu.training import termination
-    termination.listen()
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (preemption.py)
+    from imagenet_tpu.training import preemption
+    preemption.listen()
 
 from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
 from absl import flags
@@ -26,7 +26,7 @@ import tensorflow as tf
 from imagenet_tpu import evaluate
 from imagenet_tpu.config import Config
 from imagenet_tpu.errors import ConfigError, RunError
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import run_folder
 
 common.define_flags()
 _CHECKPOINT = flags.DEFINE_string('checkpoint', 'latest', "Which checkpoint of --model_dir: 'latest', 'all' or a "
@@ -53,7 +53,7 @@ def run_settings() -> Config:
     model_dir = flags.FLAGS.model_dir
     if not model_dir:
         raise ConfigError('--model_dir is not set (the folder of a training run)')
-    if tf.io.gfile.exists(os.path.join(model_dir, checkpointing.CONFIG_FILE)):
+    if tf.io.gfile.exists(os.path.join(model_dir, run_folder.CONFIG_FILE)):
         return evaluate.run_config(model_dir, {field.name: value for field, value in zip(*_given_settings())})
     return common.config_from_flags()   # a run from before config.json: its flags (e.g. its --flagfile)
 

@@ -17,9 +17,9 @@ The model and its calibration against published MLPerf runs: docs/design.md, doc
 import json
 import sys
 
-if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
-    from imagenet_tpu.training import termination
-    termination.listen()
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (preemption.py)
+    from imagenet_tpu.training import preemption
+    preemption.listen()
 
 from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
 from absl import flags

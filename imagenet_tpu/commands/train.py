@@ -12,13 +12,13 @@ checkpoint and exits with status 143 (run the same command to continue).
 import functools
 import sys
 
-if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (termination.py)
-    from imagenet_tpu.training import termination
-    termination.listen()
+if __name__ == '__main__':   # python -m: SIGTERM taken over before TensorFlow starts threads (preemption.py)
+    from imagenet_tpu.training import preemption
+    preemption.listen()
 
 from imagenet_tpu.commands import common  # first: a quiet TensorFlow start (common.py)
 from imagenet_tpu import errors, runtime, train
-from imagenet_tpu.training import termination
+from imagenet_tpu.training import preemption
 
 common.define_flags()
 
@@ -28,7 +28,7 @@ def main(argv):
     if len(argv) > 1:
         common.fail(f'unexpected arguments: {" ".join(argv[1:])}')
     runtime.limit_malloc_arenas()
-    termination.set_grace(0, 'before training started; nothing to save')
+    preemption.set_grace(0, 'before training started; nothing to save')
     try:
         # Flushed lines: progress reaches a log file or pipe as it happens, and survives a kill.
         train.train_and_evaluate(common.config_from_flags(), print_fn=functools.partial(print, flush=True))

@@ -11,6 +11,9 @@ label 0 first) names the classes, each line l being on-disk label l + 1 (tfrecor
 import os
 from typing import Iterable, List, NamedTuple, Optional, Tuple
 
+import tensorflow as tf
+
+from imagenet_tpu.data import tfrecord
 from imagenet_tpu.errors import DataError
 
 FILE_NAME = 'labels.txt'
@@ -66,8 +69,6 @@ def synset_words(path: str) -> dict:
 
 def _tfds_labels(data_dir: str) -> List[Label]:
     """The labels of a tensorflow_datasets folder's class-name file, as on-disk labels (TFDS label + 1)."""
-    import tensorflow as tf
-    from imagenet_tpu.data import tfrecord
     path = tfrecord.layout_of(data_dir).class_names_path(data_dir)
     if not path or not tf.io.gfile.exists(path):
         return []

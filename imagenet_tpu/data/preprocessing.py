@@ -5,7 +5,7 @@ Every function takes one encoded JPEG (string scalar) and returns an image [size
 per-channel mean and divides by its standard deviation, on the accelerator. Decoding only the crop window
 (tf.image.decode_and_crop_jpeg) skips the IDCT of the discarded pixels, the fused decode-and-crop of Ying et al.
 Nothing is decoded whose header claims more than MAX_IMAGE_PIXELS: such an image is an InvalidArgumentError
-('image too large: ...') before any pixel is allocated, a bad record to the input pipeline (records.py).
+('image too large: ...') before any pixel is allocated, a bad record to the input pipeline (record_io.py).
 """
 
 import tensorflow as tf

@@ -30,17 +30,17 @@ import os
 import struct
 from typing import Callable, Dict, List, Optional, Tuple
 
+import tensorflow as tf
+
+from imagenet_tpu.data import tfrecord
+from imagenet_tpu.files import is_local
+
 FILE_NAME = 'record_counts.txt'
 HEADER = '# imagenet_tpu record counts: file, records, bytes\n'
 FRAME_BYTES = 16       # length (8), length CRC (4), data CRC (4) around each record's data
 BLOCK_BYTES = 16 * 2 ** 20   # what a remote file is read in, from start to end
 REMOTE_WORKERS = 32    # files counted at once when any is remote (each waits mostly on the network)
 LOCAL_WORKERS = 4      # and when all are local (a local disk gains little from more)
-
-
-def is_local(path: str) -> bool:
-    """Whether ``path`` is on this machine's file system (not gs://... or another remote scheme)."""
-    return '://' not in path
 
 
 def path_in(folder: str) -> str:
@@ -56,7 +56,6 @@ def scan_file(path: str, block_bytes: int = BLOCK_BYTES) -> Tuple[int, bool]:
     """(whole records, whether the file ends where its last whole record does) of one TFRecord file, from its
     length fields. A file cut mid-record gives False. A local file is read 8 bytes per record (seeking past the
     data); a remote one from start to end in reads of ``block_bytes``, without seeking."""
-    import tensorflow as tf    # here, so that the converter's main process runs without TensorFlow
     size = tf.io.gfile.stat(path).length
     if is_local(path):
         with open(path, 'rb', buffering=0) as f:
@@ -171,7 +170,6 @@ def _load(path: Optional[str], log: Callable[[str], None]) -> Dict[str, Tuple[in
 
 def tfds_entries(data_dir: str) -> Dict[str, Tuple[int, Optional[int]]]:
     """{file name: (records, None)} from a tensorflow_datasets folder's dataset_info.json (empty elsewhere)."""
-    from imagenet_tpu.data import tfrecord   # here: it imports TensorFlow
     layout = tfrecord.layout_of(data_dir)
     return {name: (count, None) for split in (layout.shard_lengths or {}) for name, count in
             layout.shard_names(split).items()}

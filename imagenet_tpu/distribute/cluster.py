@@ -4,8 +4,8 @@ run_data_service.py).
 
     TF_CONFIG='{"cluster": {"worker": ["host0:port", "host1:port"]}, "task": {"type": "worker", "index": 0}}'
 
-Worker 0 is the chief: it writes checkpoints, TensorBoard logs and results (train.is_chief). Every worker runs
-the same command with its own TF_CONFIG; tools/launch/run_local_workers.py does that on one machine.
+Worker 0 is the chief: it writes checkpoints, TensorBoard logs and results (checkpoints.is_chief). Every worker
+runs the same command with its own TF_CONFIG; tools/launch/run_local_workers.py does that on one machine.
 
 Under Slurm (``srun`` or an ``sbatch`` script's ``srun``), every task of the job step is a worker: the cluster
 comes from Slurm's variables through TensorFlow's SlurmClusterResolver (slurm_tf_config), task i at port
@@ -216,7 +216,7 @@ def wait_for_peers(text: Optional[str], print_fn=print, report_seconds: float = 
 
     TensorFlow's own wait for the other tasks (in MultiWorkerMirroredStrategy's start) holds Python's global lock
     inside TensorFlow and installs a SIGTERM handler that only logs: a worker whose peers never come could not be
-    stopped by SIGTERM. This wait is Python's, a socket at a time, so SIGTERM ends it (termination.py). A task
+    stopped by SIGTERM. This wait is Python's, a socket at a time, so SIGTERM ends it (preemption.py). A task
     that passed it has closed its listener and TensorFlow's server listens on the same port: reachable too.
     Prints a line at once and then every ``report_seconds`` naming the tasks not yet there."""
     found = tasks(text)

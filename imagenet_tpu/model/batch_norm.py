@@ -13,7 +13,7 @@ What inference uses (``inference_statistics``):
   'last_batch'      Akiba et al.: the moving statistics are replaced at every training step by the statistics of
                     that step's whole global batch (all replicas), so evaluation uses the last minibatch's;
   'reestimate'      the moving statistics are recomputed before each evaluation from K training batches
-                    (reestimate_statistics below; train.py runs it as a callback).
+                    (reestimate_statistics below; builders.py adds it as a callback).
 Evaluation, checkpoints and SavedModel exports all read the moving-statistics variables, so they all use the
 chosen statistics.
 """

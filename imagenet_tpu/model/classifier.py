@@ -117,7 +117,7 @@ class Classifier(keras.Model):
         return outputs
 
     def test_step(self, data):
-        """Evaluation batches may carry weights: 0 marks padding (see input_pipeline.eval_dataset)."""
+        """Evaluation batches may carry weights: 0 marks padding (see eval_input.eval_dataset)."""
         images, labels, weights = keras.utils.unpack_x_y_sample_weight(data)
         logits = self.network(images, training=False)
         per_example_loss = smoothed_cross_entropy(labels, logits, self.label_smoothing)

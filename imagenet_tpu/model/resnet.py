@@ -14,7 +14,6 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from imagenet_tpu import cpu
 from imagenet_tpu.data import preprocessing
 
 # depth -> (block kind, blocks per stage)
@@ -35,10 +34,9 @@ NormFactory = Callable[[str, bool], keras.layers.Layer]
 
 
 def batch_norm_factory(momentum: float = 0.9, epsilon: float = 1e-5) -> NormFactory:
-    """Keras's BatchNormalization (cpu.BatchNormalization: faster kernels on CPU-only machines) with the recipes'
-    momentum and epsilon (per replica under a strategy)."""
+    """Keras's BatchNormalization with the recipes' momentum and epsilon (per replica under a strategy)."""
     def make(name: str, zero_gamma: bool) -> keras.layers.Layer:
-        return cpu.BatchNormalization(
+        return keras.layers.BatchNormalization(
             momentum=momentum, epsilon=epsilon, name=name,
             gamma_initializer='zeros' if zero_gamma else 'ones')
     return make
@@ -54,36 +52,34 @@ _CONV_INITIALIZER = {'class_name': 'VarianceScaling',
                      'config': {'scale': 2.0, 'mode': 'fan_out', 'distribution': 'truncated_normal'}}
 
 
-def _conv(filters: int, kernel_size: int, strides: int, name: str,
-          tuning: Optional[bool] = None) -> keras.layers.Layer:
-    """Keras's Conv2D, with its computations tuned to the machine on CPU-only machines (cpu.Conv2D)."""
-    return cpu.Conv2D(filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
-                              kernel_initializer=keras.initializers.get(_CONV_INITIALIZER), cpu_tuning=tuning)
+def _conv(filters: int, kernel_size: int, strides: int, name: str) -> keras.layers.Layer:
+    return keras.layers.Conv2D(filters, kernel_size, strides=strides, padding='same', use_bias=False, name=name,
+                               kernel_initializer=keras.initializers.get(_CONV_INITIALIZER))
 
 
-def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str, conv=_conv):
+def _basic_block(x, filters: int, strides: int, norm: NormFactory, name: str):
     shortcut = x
     if strides != 1 or x.shape[-1] != filters:
-        shortcut = conv(filters, 1, strides, f'{name}_proj')(x)
+        shortcut = _conv(filters, 1, strides, f'{name}_proj')(x)
         shortcut = norm(f'{name}_proj_bn', False)(shortcut)
-    x = conv(filters, 3, strides, f'{name}_conv1')(x)
-    x = cpu.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
-    x = conv(filters, 3, 1, f'{name}_conv2')(x)
+    x = _conv(filters, 3, strides, f'{name}_conv1')(x)
+    x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
+    x = _conv(filters, 3, 1, f'{name}_conv2')(x)
     x = norm(f'{name}_bn2', True)(x)
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
 
 
-def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: str, conv=_conv):
+def _bottleneck_block(x, filters: int, strides: int, norm: NormFactory, name: str):
     out_filters = filters * BOTTLENECK_EXPANSION
     shortcut = x
     if strides != 1 or x.shape[-1] != out_filters:
-        shortcut = conv(out_filters, 1, strides, f'{name}_proj')(x)
+        shortcut = _conv(out_filters, 1, strides, f'{name}_proj')(x)
         shortcut = norm(f'{name}_proj_bn', False)(shortcut)
-    x = conv(filters, 1, 1, f'{name}_conv1')(x)
-    x = cpu.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
-    x = conv(filters, 3, strides, f'{name}_conv2')(x)  # v1.5: the stride sits on the 3x3 convolution
-    x = cpu.ReLU(name=f'{name}_relu2')(norm(f'{name}_bn2', False)(x))
-    x = conv(out_filters, 1, 1, f'{name}_conv3')(x)
+    x = _conv(filters, 1, 1, f'{name}_conv1')(x)
+    x = keras.layers.ReLU(name=f'{name}_relu1')(norm(f'{name}_bn1', False)(x))
+    x = _conv(filters, 3, strides, f'{name}_conv2')(x)  # v1.5: the stride sits on the 3x3 convolution
+    x = keras.layers.ReLU(name=f'{name}_relu2')(norm(f'{name}_bn2', False)(x))
+    x = _conv(out_filters, 1, 1, f'{name}_conv3')(x)
     x = norm(f'{name}_bn3', True)(x)
     return keras.layers.ReLU(name=f'{name}_out')(keras.layers.Add(name=f'{name}_add')([x, shortcut]))
 
@@ -175,7 +171,7 @@ class Standardize(keras.layers.Layer):
 
 def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
            norm: Optional[NormFactory] = None, space_to_depth: bool = False,
-           input_dtype: Optional[str] = None, tune_convolutions: Optional[bool] = None,
+           input_dtype: Optional[str] = None,
            name: Optional[str] = None) -> keras.Model:
     """A ResNet v1.5 classifier: images -> logits [batch, num_classes] (float32).
 
@@ -184,15 +180,13 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
     [batch, image_size / 2, image_size / 2, 12] = tf.nn.space_to_depth(images, 2), met by a 4x4 stride-1
     convolution that stays exactly the 7x7 stride-2 one (SpaceToDepthStem). ``norm`` makes each normalization
     layer (default: batch_norm_factory()). ``input_dtype``: the images' dtype (default: the policy's compute
-    dtype, so bfloat16 images from the input pipeline are not cast twice). ``tune_convolutions``: each
-    convolution's computations tuned to the machine (cpu.Conv2D; default: on machines without GPU or TPU).
+    dtype, so bfloat16 images from the input pipeline are not cast twice).
     """
     if depth not in DEPTHS:
         raise ValueError(f'unsupported ResNet depth {depth}; choose one of {sorted(DEPTHS)}')
     kind, stage_blocks = DEPTHS[depth]
     block = _basic_block if kind == 'basic' else _bottleneck_block
     norm = norm or batch_norm_factory()
-    conv = functools.partial(_conv, tuning=tune_convolutions)
     input_dtype = input_dtype or keras.mixed_precision.global_policy().compute_dtype
 
     if space_to_depth:
@@ -202,13 +196,13 @@ def resnet(depth: int = 50, num_classes: int = 1000, *, image_size: int = 224,
         x = SpaceToDepthStem(64, _CONV_INITIALIZER, name='stem_conv')(_standardize(images))
     else:
         images = keras.Input((image_size, image_size, 3), name='images', dtype=input_dtype)
-        x = conv(64, 7, 2, 'stem_conv')(_standardize(images))
-    x = cpu.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
+        x = _conv(64, 7, 2, 'stem_conv')(_standardize(images))
+    x = keras.layers.ReLU(name='stem_relu')(norm('stem_bn', False)(x))
     x = keras.layers.MaxPool2D(3, strides=2, padding='same', name='stem_pool')(x)
     for stage, (blocks, filters) in enumerate(zip(stage_blocks, STAGE_WIDTHS)):
         for index in range(blocks):
             strides = 2 if index == 0 and stage > 0 else 1
-            x = block(x, filters, strides, norm, f'stage{stage + 1}_block{index + 1}', conv)
+            x = block(x, filters, strides, norm, f'stage{stage + 1}_block{index + 1}')
     x = keras.layers.GlobalAveragePooling2D(name='pool')(x)
     logits = keras.layers.Dense(
         num_classes, name='logits', kernel_initializer=keras.initializers.RandomNormal(stddev=0.01))(x)

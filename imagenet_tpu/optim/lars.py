@@ -24,7 +24,7 @@ weight_decay only enters the trust ratio's denominator:
     v     <- momentum * v + g
     w     <- w - learning_rate * trust * v              (Nesterov: w <- w - learning_rate * trust * (g + momentum * v))
 
-Train it with the decay in the loss, on every variable but the batch-norm parameters (train.py does this).
+Train it with the decay in the loss, on every variable but the batch-norm parameters (builders.py does this).
 
 ``variant='tfm'`` selects tf-models-official's rule, for users porting its hyperparameters: the decay is
 added first, g' = g + weight_decay * w, then trust = eeta * ||w|| / ||g'|| (same zero guards, no epsilon) and

@@ -24,7 +24,7 @@ chips' published facts (hardware.py). docs/benchmarks.md holds the prediction ta
 import math
 from typing import NamedTuple, Optional, Sequence, Tuple
 
-from imagenet_tpu.plan.hardware import Chip
+from imagenet_tpu.hardware import Chip
 
 # Calibrated on MLPerf v0.6 Google TPU v3-512 (batch 32,768, 72.0 epochs, 3.853 min) and MLPerf v2.0 NVIDIA
 # DGX A100 x 128 (1,024 A100, batch 35,840, 58.4 epochs, 0.555 min): the fit of plan_vs_published.py --fit.

@@ -5,9 +5,9 @@ against the chip's HBM, one step's parts, images/s, the input each host must dec
 
 config.topology names the hardware (config.parse_topology): a TPU slice, GPUs, or cpu (this machine, its peak
 measured). Every count that training also derives comes from the function training uses: the replica checks and
-batch-norm groups (train.check_replicas, Config.bn_group_size_for), steps and evaluations (Config.train_steps,
-train.planned_evaluations), evaluation steps per input pipeline (Config.eval_steps_for), steps per host call
-(train.default_steps_per_execution), the network (train.build_network, counted by costs.count).
+batch-norm groups (builders.check_replicas, Config.bn_group_size_for), steps and evaluations (Config.train_steps,
+loop.planned_evaluations), evaluation steps per input pipeline (Config.eval_steps_for), steps per host call
+(builders.default_steps_per_execution), the network (builders.build_network, counted by costs.count).
 """
 
 import dataclasses
@@ -18,11 +18,13 @@ from typing import Optional
 
 import tensorflow as tf
 
-from imagenet_tpu import train
-from imagenet_tpu.config import Config, ConfigError, parse_topology
+from imagenet_tpu import builders, hardware
+from imagenet_tpu.config import Config, ConfigError
 from imagenet_tpu.distribute import collectives
+from imagenet_tpu.hardware import parse_topology
 from imagenet_tpu.plan import costs as costs_lib
-from imagenet_tpu.plan import hardware, model
+from imagenet_tpu.plan import model
+from imagenet_tpu.training import loop
 
 SLOT_BYTES = {'sgd': 4, 'lars': 4, 'rmsprop_warmup': 8}     # float32 optimizer slots per parameter
 TORUS_DIMENSIONS = {'v4': 3, 'v5p': 3}                      # the others are 2-D tori
@@ -43,7 +45,7 @@ def measured_cpu_peak_tflops(size: int = 1024, rounds: int = 5) -> float:
 
 def network_costs(config: Config) -> costs_lib.NetworkCosts:
     """The costs of the network training builds for ``config`` (one replica's layers: the same operations)."""
-    return costs_lib.count(train.build_network(dataclasses.replace(config, bn_group_size=1, bn_span=None), 1))
+    return costs_lib.count(builders.build_network(dataclasses.replace(config, bn_group_size=1, bn_span=None), 1))
 
 
 def plan(config: Config, to_accuracy: Optional[float] = None, cpu_peak_tflops: Optional[float] = None,
@@ -63,7 +65,7 @@ def plan(config: Config, to_accuracy: Optional[float] = None, cpu_peak_tflops: O
         chip = hardware.chip('cpu', peak / chips, cpu_cores=max(1, (os.cpu_count() or 1) // hosts))
     else:
         chip = hardware.chip(topology.chip)
-    train.check_replicas(config, replicas)
+    builders.check_replicas(config, replicas)
     per_replica = config.global_batch_size // replicas
     group = config.bn_group_size_for(replicas) if config.norm != 'none' else 1
     replicas_per_chip = replicas // chips
@@ -78,7 +80,7 @@ def plan(config: Config, to_accuracy: Optional[float] = None, cpu_peak_tflops: O
     if topology.kind == 'tpu':
         mesh = (tuple(config.mesh_shape) if config.mesh_shape
                 else model.torus_shape(chips, TORUS_DIMENSIONS.get(topology.chip, 2)))
-    per_call = train.default_steps_per_execution(config, topology.kind == 'tpu')
+    per_call = builders.default_steps_per_execution(config, topology.kind == 'tpu')
     host_cores = chip.host_cores
     parts = model.step_parts(topology.kind, chip, chips, hosts, config.global_batch_size, counted.training_flops,
                              counted.activations, counted.parameters, element_bytes, gradient_bytes, mesh,
@@ -97,7 +99,7 @@ def plan(config: Config, to_accuracy: Optional[float] = None, cpu_peak_tflops: O
 
     steps = config.train_steps
     epochs = steps * config.global_batch_size / config.num_train_images
-    evaluations = train.planned_evaluations(config)
+    evaluations = loop.planned_evaluations(config)
     eval_steps = config.eval_steps_for(hosts)
     per_evaluation = model.evaluation_seconds(chip, chips, config.num_eval_images, eval_steps,
                                               counted.training_flops, counted.activations, element_bytes,

@@ -12,7 +12,8 @@ rows, v3.1's and v4.0's CoreWeave row) appear once. hosts: GPU nodes (TPU rows: 
 import math
 from typing import NamedTuple
 
-from imagenet_tpu.plan import hardware, model
+from imagenet_tpu import hardware
+from imagenet_tpu.plan import model
 from imagenet_tpu.plan.costs import NetworkCosts
 
 

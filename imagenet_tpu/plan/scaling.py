@@ -4,7 +4,8 @@ per-replica batch, with the published MLPerf runs of the same chip drawn on it."
 import dataclasses
 from typing import List, Optional
 
-from imagenet_tpu.config import Config, parse_topology
+from imagenet_tpu.config import Config
+from imagenet_tpu.hardware import parse_topology
 from imagenet_tpu.plan import model, planner, published
 
 CHIP_COUNTS = tuple(2 ** power for power in range(2, 13))     # 4 ... 4,096 chips

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu.model import batch_norm
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import record_io
 from imagenet_tpu.errors import TrainingDiverged
 
 

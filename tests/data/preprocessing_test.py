@@ -14,10 +14,10 @@ import sklearn.datasets
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import train
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.training import loop
+from imagenet_tpu.data import eval_input, input_pipeline
 from imagenet_tpu.data import preprocessing
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.config import Config
 from imagenet_tpu.errors import DataError, summarize_graph_error
@@ -269,7 +269,7 @@ class BombRecordTest(tf.test.TestCase):
 
     def test_skipped_and_counted(self):
         counts = record_io.SkipCounts()
-        batches = list(input_pipeline.eval_dataset(self.config, skip_counts=counts))
+        batches = list(eval_input.eval_dataset(self.config, skip_counts=counts))
         labels = np.concatenate([batch[1].numpy() for batch in batches])
         weights = np.concatenate([batch[2].numpy() for batch in batches])
         self.assertCountEqual(labels[weights == 1] + 1, range(1, 9))     # every legitimate image, once
@@ -282,9 +282,9 @@ class BombRecordTest(tf.test.TestCase):
 
     def test_an_error_under_bad_records_fatal(self):
         config = dataclasses.replace(self.config, bad_records='fatal')
-        for dataset in (input_pipeline.eval_dataset(config), input_pipeline.train_dataset(config).take(4)):
+        for dataset in (eval_input.eval_dataset(config), input_pipeline.train_dataset(config).take(4)):
             with self.assertRaisesRegex(DataError, f'^bad input record: {re.escape(TOO_LARGE)}$'):
-                with train.input_errors():
+                with loop.input_errors():
                     for _ in dataset:
                         pass
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import helpers
 from imagenet_tpu import errors
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.data import record_counts
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.config import Config

@@ -17,9 +17,10 @@ import helpers
 from imagenet_tpu import errors
 from imagenet_tpu import evaluate
 from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.data import labels
 from imagenet_tpu.data import record_counts
-from imagenet_tpu.data import records
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 
 tfds = pytest.importorskip('tensorflow_datasets')
@@ -32,7 +33,7 @@ CLASSES = ('n01440764', 'n01443537', 'n01484850', 'n01491361')   # ImageNet's fi
 def our_examples(data_dir: str, split: str) -> list:
     """(encoded JPEG, on-disk label, file name) of every record of ``split`` in our shards, in file order."""
     found = []
-    for path in records.list_shards(data_dir, split):
+    for path in record_io.list_shards(data_dir, split):
         for record in tf.data.TFRecordDataset(path):
             example = tfrecord.parse_example(record)
             found.append((example['encoded'].numpy(), int(example['label']), example['filename'].numpy().decode()))
@@ -81,13 +82,13 @@ class ArrayImages(tfds.core.GeneratorBasedBuilder):
 class PngTest(tf.test.TestCase):
 
     def test_png_images_decode_losslessly_in_evaluation_and_training(self):
-        from imagenet_tpu.data import pipeline
+        from imagenet_tpu.data import eval_input, input_pipeline
         root = tempfile.mkdtemp(prefix='tfds-png-', dir=self.get_temp_dir())
         builder = ArrayImages(data_dir=root, file_format='tfrecord')
         builder.download_and_prepare()
         config = helpers.tiny_config(data_dir=builder.data_dir, num_classes=8, num_train_images=8, num_eval_images=8,
                                      eval_batch_size=8, global_batch_size=4, bad_records='fatal', image_size=16)
-        images, model_classes, weights = next(pipeline.eval_dataset(config).as_numpy_iterator())
+        images, model_classes, weights = next(eval_input.eval_dataset(config).as_numpy_iterator())
         self.assertEqual(sorted(model_classes.tolist()), list(range(8)))
         self.assertAllEqual(weights, np.ones(8))
         for image, model_class in zip(images, model_classes):
@@ -97,7 +98,7 @@ class PngTest(tf.test.TestCase):
             top, left = (24 - side + 1) // 2, (28 - side + 1) // 2
             expected = tf.image.resize(source[top:top + side, left:left + side], [16, 16]).numpy()
             self.assertAllClose(image, expected, atol=1e-3)
-        batch, labels_ = next(pipeline.train_dataset(config).as_numpy_iterator())
+        batch, labels_ = next(input_pipeline.train_dataset(config).as_numpy_iterator())
         self.assertEqual(batch.shape, (4, 16, 16, 3))
         self.assertTrue(set(labels_.tolist()) <= set(range(8)))
 
@@ -123,7 +124,7 @@ class TfdsLayoutTest(tf.test.TestCase):
         self.assertEqual((layout.name, layout.image_key, layout.label_key), ('imagenet2012_like', 'image', 'label'))
         self.assertFalse(tfrecord.layout_of(self.ours).tfds)
         for split, images in ((tfrecord.TRAIN, 48), (tfrecord.VALIDATION, 20)):
-            paths = records.list_shards(self.tfds_dir, split)
+            paths = record_io.list_shards(self.tfds_dir, split)
             self.assertEqual([os.path.basename(path) for path in paths],
                              [f'imagenet2012_like-{split}.tfrecord-0000{i}-of-00002' for i in range(2)])
             # The same records as ours: the same JPEG bytes, TFDS's label one less than ours.
@@ -135,7 +136,7 @@ class TfdsLayoutTest(tf.test.TestCase):
             self.assertEqual(sorted(raw), sorted(label - 1 for _, label in theirs))
             # Record counts: dataset_info.json's shardLengths, which the files' own framing confirms.
             lines = []
-            counts = record_counts.lookup(paths, records.file_sizes(paths), self.tfds_dir, None, lines.append)
+            counts = record_counts.lookup(paths, record_io.file_sizes(paths), self.tfds_dir, None, lines.append)
             self.assertEqual(counts, record_counts.count_files(paths))
             self.assertEqual(sum(counts), images)
             self.assertEqual(lines, [])
@@ -154,21 +155,21 @@ class TfdsLayoutTest(tf.test.TestCase):
         train_split['shardLengths'][0] = str(true_first + 3)
         with open(info_path, 'w') as f:
             json.dump(info, f)
-        paths = records.list_shards(copy, tfrecord.TRAIN)
+        paths = record_io.list_shards(copy, tfrecord.TRAIN)
         lines = []
-        counts = record_counts.lookup(paths, records.file_sizes(paths), copy, None, lines.append)
+        counts = record_counts.lookup(paths, record_io.file_sizes(paths), copy, None, lines.append)
         self.assertEqual(counts[0], true_first)
         self.assertLen(lines, 1)
         self.assertIn(f'dataset_info.json (shardLengths) gives {paths[0]} {true_first + 3} records but it holds '
                       f'{true_first}', lines[0])
         # Three classes where the shards hold four: the largest TFDS label, 3, is read as 4.
         with self.assertRaisesRegex(errors.DataError, r'tensorflow_datasets label 3, read as 4\) is outside \[1, 4\)'):
-            train.check_data(dataclasses.replace(self.config, data_dir=self.tfds_dir, num_classes=3))
+            builders.check_data(dataclasses.replace(self.config, data_dir=self.tfds_dir, num_classes=3))
         with open(info_path, 'w') as f:
             f.write('{"name": "x", "fileFormat": "array_record", "splits": []}')
         tfrecord._layout_of.cache_clear()
         with self.assertRaisesRegex(errors.DataError, 'as array_record; only its tfrecord files'):
-            records.list_shards(copy, tfrecord.TRAIN)
+            record_io.list_shards(copy, tfrecord.TRAIN)
 
     @pytest.mark.slow
     def test_training_a_resume_and_evaluation_read_them_and_top_1_equals_our_formats(self):

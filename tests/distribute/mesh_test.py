@@ -17,7 +17,8 @@ from absl.testing import parameterized
 from imagenet_tpu.distribute import collectives
 from imagenet_tpu.distribute import strategy
 from imagenet_tpu.distribute import mesh as tpu_mesh
-from imagenet_tpu.config import Config, ConfigError, tpu_slice
+from imagenet_tpu.config import Config, ConfigError
+from imagenet_tpu.hardware import tpu_slice
 
 
 def topology(chips, devices_per_chip: int, host_block, reverse_devices: bool = False):

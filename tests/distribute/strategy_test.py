@@ -12,7 +12,7 @@ import tf_keras as keras
 import helpers
 from imagenet_tpu.distribute import cluster
 from imagenet_tpu.distribute import strategy
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
@@ -56,23 +56,23 @@ class StrategyTest(tf.test.TestCase):
         with mock.patch.object(tf.config, 'list_physical_devices',
                                lambda kind=None: ['GPU:0'] if kind == 'GPU' else real(kind)):
             # A machine with a GPU running the demo's strategy: CPU replicas, so no XLA (it fails there).
-            self.assertFalse(train.use_jit(Config(), helpers.mirrored(2)))
-            self.assertTrue(train.use_jit(Config(), tf.distribute.get_strategy()))
+            self.assertFalse(builders.use_jit(Config(), helpers.mirrored(2)))
+            self.assertTrue(builders.use_jit(Config(), tf.distribute.get_strategy()))
         gpus = [f'/job:localhost/replica:0/task:0/device:GPU:{i}' for i in range(2)]
         self.assertTrue(strategy.xla_by_default(fake_strategy(*gpus)))
         self.assertFalse(strategy.xla_by_default(fake_strategy(gpus[0], '/job:localhost/replica:0/task:0/device:CPU:0')))
-        self.assertFalse(train.use_jit(Config(), helpers.mirrored(2)))
+        self.assertFalse(builders.use_jit(Config(), helpers.mirrored(2)))
 
     def test_jit_compile_under_several_cpu_replicas_is_refused_as_tensorflow_fails_there(self):
         # What --jit_compile meets under MirroredStrategy over logical CPUs: the first step fails.
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'Trying to access resource'):
             fit_one_step(helpers.mirrored(2), jit_compile=True)
         with self.assertRaisesRegex(ConfigError, '--jit_compile does not work with 2 CPU replicas in one process'):
-            train.use_jit(Config(jit_compile=True), helpers.mirrored(2))
+            builders.use_jit(Config(jit_compile=True), helpers.mirrored(2))
         # One replica, and GPUs, keep it.
         fit_one_step(tf.distribute.get_strategy(), jit_compile=True)
-        self.assertTrue(train.use_jit(Config(jit_compile=True), tf.distribute.get_strategy()))
-        self.assertTrue(train.use_jit(Config(jit_compile=True), helpers.mirrored(1)))
+        self.assertTrue(builders.use_jit(Config(jit_compile=True), tf.distribute.get_strategy()))
+        self.assertTrue(builders.use_jit(Config(jit_compile=True), helpers.mirrored(1)))
         strategy.check_jit_compile(fake_strategy('/device:GPU:0', '/device:GPU:1'))
 
     def test_both_tpu_strategy_classes_are_tpu_strategies(self):

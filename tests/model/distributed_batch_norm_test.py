@@ -12,11 +12,12 @@ import tf_keras as keras
 
 import helpers
 from imagenet_tpu.model import batch_norm
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import checkpoints
 from imagenet_tpu.model import classifier as classifier_lib
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import eval_input, input_pipeline
 from imagenet_tpu.model import resnet
 from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.config import Config, ConfigError
 
 helpers.use_eight_cpus()
@@ -72,7 +73,7 @@ class TrainWithGroupsTest(tf.test.TestCase):
                                           model_dir=model_dir)
 
     def _images(self):
-        batches = [b for b in input_pipeline.eval_dataset(self.config)]
+        batches = [b for b in eval_input.eval_dataset(self.config)]
         return np.concatenate([b[0] for b in batches])[:20], np.concatenate([b[1] for b in batches])[:20]
 
     def test_reestimated_statistics_in_a_run_its_evaluation_checkpoint_and_export(self):
@@ -141,8 +142,8 @@ class TrainWithGroupsTest(tf.test.TestCase):
         exported_logits = loaded.signatures['serving_preprocessed'](images=tf.constant(images))['logits'].numpy()
         self.assertAllClose(exported_logits, logits, atol=1e-4, rtol=1e-4)
         with strategy.scope():
-            restored = train.build_classifier(config)
-        checkpointing.restore_latest(checkpointing.checkpoint_manager(restored, config.model_dir))
+            restored = builders.build_classifier(config)
+        checkpoints.restore_latest(checkpoints.checkpoint_manager(restored, config.model_dir))
         per_replica = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(images[:16]))
         # (from_tensors of 16 images: each of the 4 replicas gets 4)
         outputs = strategy.run(lambda x: restored.network(x, training=False), args=(next(iter(per_replica)),))

@@ -8,7 +8,7 @@ import tf_keras as keras
 import helpers
 from imagenet_tpu.data import preprocessing
 from imagenet_tpu.model import resnet
-from imagenet_tpu import train
+from imagenet_tpu import builders
 
 helpers.use_eight_cpus()
 
@@ -80,7 +80,7 @@ class SpaceToDepthStemTest(tf.test.TestCase):
         # LARS with weight decay, so nothing but the mask keeps the 8th row and column at zero.
         config = helpers.tiny_config(space_to_depth=True, image_size=32, optimizer='lars', learning_rate=5.0,
                                      weight_decay=1e-2, global_batch_size=8, num_train_images=24)
-        classifier = train.build_classifier(config)
+        classifier = builders.build_classifier(config)
         stem = classifier.network.get_layer('stem_conv')
         initial = stem.kernel.numpy().copy()
         rng = np.random.default_rng(0)

@@ -16,9 +16,9 @@ import tensorflow as tf
 
 import helpers
 from imagenet_tpu.distribute import cluster
-from imagenet_tpu.data import service as data_service
+from imagenet_tpu.data import data_service
 from imagenet_tpu import errors
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.config import Config
 
 IMAGES, FILES = 24, 4        # one class per image, so a label names the image; 6 records per file

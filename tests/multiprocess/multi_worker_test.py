@@ -24,12 +24,12 @@ import tensorflow as tf
 import tf_keras
 
 import helpers
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.commands import common
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.distribute import cluster
 from imagenet_tpu.plan import planner
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import checkpoints
 from imagenet_tpu.data import tfrecord
 
 REPO = helpers.REPO
@@ -180,10 +180,10 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(self.final.returncode, 0, errors(self.final.stdout))
         # ('reestimate' with groups of 1 builds the pod's GroupBatchNormalization layers, with one device's group.)
         config = self.run_config(strategy='default', bn_group_size=1, bn_inference_statistics='reestimate')
-        # The seed of a run (train.prepare_process), without its op determinism: that stays on for the rest of
+        # The seed of a run (builders.prepare_process), without its op determinism: that stays on for the rest of
         # this process, where it would refuse XLA's max-pool gradient in tests that come after.
         tf_keras.utils.set_random_seed(config.seed)
-        classifier = train.build_classifier(config)
+        classifier = builders.build_classifier(config)
         streams = []
         for host in range(2):
             context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=host, num_replicas_in_sync=4)
@@ -199,7 +199,7 @@ class MultiWorkerTest(tf.test.TestCase):
         moved = max(float(np.abs(w - w0).max()) for w, w0 in zip(classifier.network.get_weights(), initial))
         self.assertGreater(moved, 1e-2)     # the run trained: the bound below tells weights apart
         one_device = os.path.join(self.root, 'one_device')
-        checkpointing.checkpoint_manager(classifier, one_device).save(checkpoint_number=self.STEPS)
+        checkpoints.checkpoint_manager(classifier, one_device).save(checkpoint_number=self.STEPS)
         pod = helpers.checkpoint_variables(os.path.join(self.model_dir, 'checkpoints'))
         single = helpers.checkpoint_variables(os.path.join(one_device, 'checkpoints'))
         # The pod's checkpoint also holds the preemption handler's run counter; save counters differ by design.

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 
 from imagenet_tpu.model import batch_norm
 from imagenet_tpu.distribute import strategy as strategy_lib
-from imagenet_tpu import train  # noqa: E402
+from imagenet_tpu import builders
 from imagenet_tpu.config import Config  # noqa: E402
 
 DEVICES_PER_WORKER = 2
@@ -69,13 +69,13 @@ def main(report_path: str, data_dir: str) -> None:
                     eval_batch_size=8, num_train_images=48, num_eval_images=20, shuffle_buffer=16, seed=0,
                     deterministic=True)
     report = {'replicas': strategy.num_replicas_in_sync, 'batch_norm': batch_norm_errors(strategy)}
-    iterator = iter(train.build_train_dataset(config, strategy))
+    iterator = iter(builders.build_train_dataset(config, strategy))
     report['train'] = []
     for _ in range(6):                                  # a data epoch of this worker's pipeline
         images, _ = next(iterator)
         report['train'] += digests(strategy.experimental_local_results(images))
     report['eval'], report['eval_weight'] = [], 0.0
-    for images, _, weights in train.build_eval_dataset(config, strategy):
+    for images, _, weights in builders.build_eval_dataset(config, strategy):
         for local_images, local_weights in zip(strategy.experimental_local_results(images),
                                                strategy.experimental_local_results(weights)):
             kept = local_images.numpy()[local_weights.numpy() == 1]

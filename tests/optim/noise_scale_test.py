@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.config import ConfigError
 from imagenet_tpu.optim import noise_scale
 
@@ -84,7 +84,7 @@ class TrainingStepTest(tf.test.TestCase):
         # The explicit all-reduce the estimate needs sums what the optimizer's own does.
         helpers.assert_same_training(self, plain, measured, initial, atol=1e-6, rtol=1e-5)
         with helpers.mirrored(2).scope():
-            classifier = train.build_classifier(with_noise)
+            classifier = builders.build_classifier(with_noise)
         history = classifier.fit(helpers.equivalence_batches(3), epochs=1, steps_per_epoch=3, verbose=0)
         scale = history.history['noise_scale'][-1]
         # The step's output is the estimator's ratio after the last step (NaN where its |G|^2 is not positive: three
@@ -97,4 +97,4 @@ class TrainingStepTest(tf.test.TestCase):
             self.assertTrue(np.isnan(scale), scale)
         with self.assertRaisesRegex(ConfigError, 'needs 2 or more replicas'):
             with helpers.mirrored(1).scope():
-                train.build_classifier(with_noise)
+                builders.build_classifier(with_noise)

@@ -5,7 +5,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu.optim import schedules
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.config import Config
 
 
@@ -30,7 +30,7 @@ class ScheduleTest(tf.test.TestCase):
         # Batch 32768: 25 warm-up epochs = 25 * 1281167 / 32768 = 977.4 -> 977 steps; 2983 steps in all.
         config = Config(global_batch_size=32768, total_steps=2983, learning_rate=31.2, warmup_epochs=25,
                         lr_decay='polynomial', end_learning_rate=1e-4, polynomial_power=2)
-        rate = train.build_learning_rate(config)
+        rate = builders.build_learning_rate(config)
         table = {0: 0.0, 488: 31.2 * 488 / 977, 977: 31.2, 1980: 1e-4 + (31.2 - 1e-4) * (1 - 1003 / 2006) ** 2,
                  2983: 1e-4}
         for step, expected in table.items():
@@ -39,7 +39,7 @@ class ScheduleTest(tf.test.TestCase):
     def test_slow_start_boundaries(self):
         # Akiba et al., batch 32768: eta = 0.1 * 128 = 12.8; epochs 40/70/85 = 1563.9/2736.9/3323.3 -> 1564/2737/3323.
         config = Config(global_batch_size=32768, base_learning_rate=0.1, lr_decay='slow_start', warmup_epochs=0)
-        rate = train.build_learning_rate(config)
+        rate = builders.build_learning_rate(config)
         table = {0: 6.4, 1563: 6.4, 1564: 0.96, 2736: 0.96, 2737: 0.128, 3322: 0.128, 3323: 0.0128, 3500: 0.0128}
         for step, expected in table.items():
             self.assertAllClose(rate(step), expected, rtol=1e-5)

@@ -22,7 +22,7 @@ import tf_keras as keras
 import helpers
 from imagenet_tpu.serving import classify
 from imagenet_tpu.serving import export
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.data import preprocessing
 
 NAMES = ['cat', 'dog', 'fish', 'bird']
@@ -81,7 +81,7 @@ def exported_model() -> str:
     config = helpers.tiny_config(norm='batch_norm', num_classes=4, image_size=32)
     keras.utils.set_random_seed(2)
     path = os.path.join(root, 'saved_model')
-    export.export_saved_model(train.build_network(config), path, NAMES, **train.export_settings(config))
+    export.export_saved_model(builders.build_network(config), path, NAMES, **builders.export_settings(config))
     return path
 
 

@@ -20,7 +20,7 @@ from imagenet_tpu import deploy
 from imagenet_tpu import evaluate
 from imagenet_tpu import train
 from imagenet_tpu.data import preprocessing
-from imagenet_tpu.data import records
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 
 onnxruntime = pytest.importorskip('onnxruntime')
@@ -66,7 +66,7 @@ class ConvertTest(tf.test.TestCase):
         cls.export_dir = os.path.join(cls.model_dir, 'export', cls.exported['checkpoint'])
         # Real JPEGs: the first 64 held-out digits as the evaluation preprocesses them.
         encoded = [tfrecord.parse_example(record)['encoded']
-                   for record in tf.data.TFRecordDataset(records.list_shards(cls.data_dir, tfrecord.VALIDATION))
+                   for record in tf.data.TFRecordDataset(record_io.list_shards(cls.data_dir, tfrecord.VALIDATION))
                    .take(64)]
         cls.pixels = np.stack([preprocessing.preprocess_for_eval(jpeg, IMAGE_SIZE).numpy() for jpeg in encoded])
         served = tf.saved_model.load(os.path.join(cls.export_dir, 'saved_model')).signatures['serving_default']

@@ -16,7 +16,7 @@ import tf_keras as keras
 import helpers
 from imagenet_tpu.serving import export
 from imagenet_tpu.data import preprocessing
-from imagenet_tpu import train
+from imagenet_tpu import builders
 
 NAMES = ['cat', 'dog', 'fish', 'bird']
 
@@ -35,9 +35,9 @@ class ExportTest(tf.test.TestCase):
         cls.config = helpers.tiny_config(norm='batch_norm', num_classes=4, image_size=32, eval_crop_fraction=0.8,
                                          resize_method='bicubic')
         keras.utils.set_random_seed(1)
-        cls.network = train.build_network(cls.config)
+        cls.network = builders.build_network(cls.config)
         cls.path = os.path.join(cls.root, 'saved_model')
-        export.export_saved_model(cls.network, cls.path, NAMES, **train.export_settings(cls.config))
+        export.export_saved_model(cls.network, cls.path, NAMES, **builders.export_settings(cls.config))
         cls.pixels = helpers.photo_like(40, 52, seed=5)
         cls.jpeg = tf.io.encode_jpeg(cls.pixels, quality=90).numpy()
         buffer = io.BytesIO()

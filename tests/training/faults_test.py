@@ -24,12 +24,12 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import errors, train
-from imagenet_tpu.data import pipeline as input_pipeline
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu import builders, errors, files, train
+from imagenet_tpu.data import input_pipeline
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.training import callbacks as callbacks_lib
-from imagenet_tpu.training import checkpointing, termination
+from imagenet_tpu.training import checkpoints, loop, preemption, run_folder
 
 helpers.use_eight_cpus()
 
@@ -47,7 +47,7 @@ def _small_manager(directory: str, scratch: bool = False) -> tf.train.Checkpoint
     network = tf.Module()
     network.variables_ = [tf.Variable(np.ones([3], np.float32))]
     checkpoint = tf.train.Checkpoint(network=network)
-    kind = checkpointing.WorkerScratchCheckpoints if scratch else tf.train.CheckpointManager
+    kind = checkpoints.WorkerScratchCheckpoints if scratch else tf.train.CheckpointManager
     return kind(checkpoint, directory, max_to_keep=3, checkpoint_name='ckpt')
 
 
@@ -79,20 +79,20 @@ class LinksTest(tf.test.TestCase):
         os.makedirs(scratch)
         os.symlink(self.outside, os.path.join(scratch, 'ckpt-9_temp'))
         os.symlink(os.path.join(self.outside, 'precious.txt'), os.path.join(scratch, 'checkpoint'))
-        checkpointing.remove_tree(scratch)
+        files.remove_tree(scratch)
         self.assert_outside_intact()
         self.assertFalse(os.path.lexists(scratch))
 
     def test_the_write_probe_never_writes_through_a_link(self):
         for pid in range(os.getpid() - 2, os.getpid() + 3):
             os.symlink(os.path.join(self.outside, 'precious.txt'), os.path.join(self.model_dir, f'.write_probe-{pid}'))
-        checkpointing.ensure_writable(self.model_dir)
+        run_folder.ensure_writable(self.model_dir)
         self.assert_outside_intact()
 
     def test_our_files_replace_a_link_instead_of_writing_through_it(self):
         target = os.path.join(self.outside, 'precious.txt')
         os.symlink(target, os.path.join(self.model_dir, 'results.json'))
-        checkpointing.write_json(os.path.join(self.model_dir, 'results.json'), {'top_1': float('nan'), 'steps': 3})
+        files.write_json(os.path.join(self.model_dir, 'results.json'), {'top_1': float('nan'), 'steps': 3})
         self.assert_outside_intact()
         with open(os.path.join(self.model_dir, 'results.json')) as f:
             self.assertEqual(json.load(f), {'top_1': None, 'steps': 3})   # valid JSON: NaN as null
@@ -105,7 +105,7 @@ class LinksTest(tf.test.TestCase):
             f.write(b'\0' * 1000)
         os.symlink(self.outside, os.path.join(directory, 'ckpt-12_temp'))
         lines = []
-        lock = checkpointing.prepare_model_dir(config, chief=True, print_fn=lines.append)
+        lock = run_folder.prepare_model_dir(config, chief=True, print_fn=lines.append)
         lock.release()
         self.assertEqual(os.listdir(directory), [])
         self.assert_outside_intact()
@@ -141,15 +141,15 @@ class CheckpointStateTest(tf.test.TestCase):
                     self.setUp()
                 self.damage(kind)
                 lines = []
-                checkpointing.repair_state(self.directory, lines.append)
+                checkpoints.repair_state(self.directory, lines.append)
                 self.assertLen(lines, 1)
                 manager = _small_manager(self.directory)     # TensorFlow's manager reads the state file
-                self.assertEqual(checkpointing.restore_latest(manager, lambda line: None),
+                self.assertEqual(checkpoints.restore_latest(manager, lambda line: None),
                                  f'{self.directory}/ckpt-30')
                 self.assertAllEqual(manager.checkpoint.network.variables_[0], [30, 30, 30])
                 # The manager knows all three: the next save deletes the oldest only, overwrites none.
                 manager.save(checkpoint_number=33)
-                self.assertEqual(checkpointing.checkpoint_paths(self.directory),
+                self.assertEqual(checkpoints.checkpoint_paths(self.directory),
                                  [f'{self.directory}/ckpt-{step}' for step in (27, 30, 33)])
 
     def test_a_checkpoint_with_nan_values_is_passed_over(self):
@@ -157,7 +157,7 @@ class CheckpointStateTest(tf.test.TestCase):
         manager.checkpoint.network.variables_[0].assign([1.0, np.nan, 2.0])
         manager.save(checkpoint_number=31)     # as an older version wrote them
         lines = []
-        self.assertEqual(checkpointing.restore_latest(manager, lines.append), f'{self.directory}/ckpt-30')
+        self.assertEqual(checkpoints.restore_latest(manager, lines.append), f'{self.directory}/ckpt-30')
         self.assertIn('NaN or infinite', lines[0])
 
 
@@ -167,8 +167,8 @@ class DivergenceTest(tf.test.TestCase):
         manager = _small_manager(os.path.join(self.get_temp_dir(), 'nan'))
         manager.checkpoint.network.variables_[0].assign([1.0, np.inf, 2.0])
         with self.assertRaisesRegex(errors.TrainingDiverged, 'not saved'):
-            checkpointing.save_checkpoint(manager, 5)
-        self.assertEqual(checkpointing.checkpoint_paths(manager.directory), [])
+            checkpoints.save_checkpoint(manager, 5)
+        self.assertEqual(checkpoints.checkpoint_paths(manager.directory), [])
 
     def test_a_diverging_run_stops_at_the_step_that_made_weights_nan_and_saves_only_finite_ones(self):
         root = helpers.class_folder(DivergenceTest)
@@ -180,13 +180,13 @@ class DivergenceTest(tf.test.TestCase):
         with self.assertRaisesRegex(errors.TrainingDiverged, 'at step (\\d+)') as raised:
             train.train_and_evaluate(config, print_fn=lambda line: None)
         directory = os.path.join(config.model_dir, 'checkpoints')
-        for path in checkpointing.checkpoint_paths(directory):
+        for path in checkpoints.checkpoint_paths(directory):
             reader = tf.train.load_checkpoint(path)
             for name in reader.get_variable_to_shape_map():
                 value = reader.get_tensor(name)
                 if np.issubdtype(np.asarray(value).dtype, np.floating):
                     self.assertTrue(np.all(np.isfinite(value)), f'{path} {name}')
-        # The loss check (callbacks.py) or the check before a save (checkpointing.py) stops it, by machine.
+        # The loss check (callbacks.py) or the check before a save (checkpoints.py) stops it, by machine.
         stopped = int(re.search(r'at step (\d+)', raised.exception.args[0]).group(1))
         self.assertEqual(helpers.latest_checkpoint_step(directory), stopped - 1)
 
@@ -212,7 +212,7 @@ class ResultsTest(tf.test.TestCase):
         with self.assertRaises(errors.DataError):
             train.train_and_evaluate(self.config(data_dir=empty, model_dir=model_dir), print_fn=lambda line: None)
         self.assertFalse(os.path.exists(os.path.join(model_dir, 'model.json')))
-        checkpointing.prepare_model_dir(self.config(model_dir=model_dir, depth=18), chief=True).release()
+        run_folder.prepare_model_dir(self.config(model_dir=model_dir, depth=18), chief=True).release()
 
     def test_a_finished_run_started_again_keeps_its_results(self):
         config = self.config()
@@ -244,11 +244,11 @@ class ResultsTest(tf.test.TestCase):
         finally:
             holder.kill()                   # a trainer that dies: its lock goes with it
             holder.wait()
-        lock = checkpointing.ModelDirLock(config.model_dir)
+        lock = run_folder.ModelDirLock(config.model_dir)
         with self.assertRaisesRegex(errors.ConfigError, 'in use'):
-            checkpointing.ModelDirLock(config.model_dir)     # the same process, a second trainer
+            run_folder.ModelDirLock(config.model_dir)     # the same process, a second trainer
         lock.release()
-        checkpointing.ModelDirLock(config.model_dir).release()
+        run_folder.ModelDirLock(config.model_dir).release()
 
     def test_damaged_model_json_beside_checkpoints_and_a_checkpoints_file_are_one_line_errors(self):
         model_dir = os.path.join(self.root, 'damaged')
@@ -257,12 +257,12 @@ class ResultsTest(tf.test.TestCase):
         with open(os.path.join(model_dir, 'model.json'), 'wb') as f:
             f.write(b'{"depth": 10, "num_cl')
         with self.assertRaisesRegex(errors.CheckpointError, 'model.json is damaged'):
-            checkpointing.prepare_model_dir(self.config(model_dir=model_dir), chief=True)
+            run_folder.prepare_model_dir(self.config(model_dir=model_dir), chief=True)
         shutil.rmtree(os.path.join(model_dir, 'checkpoints'))
         with open(os.path.join(model_dir, 'checkpoints'), 'w') as f:
             f.write('not a folder')
         with self.assertRaisesRegex(errors.ConfigError, 'checkpoints is a file'):
-            checkpointing.prepare_model_dir(self.config(model_dir=model_dir), chief=True)
+            run_folder.prepare_model_dir(self.config(model_dir=model_dir), chief=True)
 
 
 class FullDiskTest(tf.test.TestCase):
@@ -280,14 +280,14 @@ class FullDiskTest(tf.test.TestCase):
 
         with mock.patch.object(manager, 'save', side_effect=fill_the_disk):
             with self.assertRaisesRegex(errors.CheckpointError, 'No space left on device.*before it are intact'):
-                checkpointing.save_checkpoint(manager, 6)
+                checkpoints.save_checkpoint(manager, 6)
         self.assertFalse(os.path.exists(temporary))
-        self.assertEqual(checkpointing.checkpoint_paths(manager.directory), [f'{manager.directory}/ckpt-3'])
+        self.assertEqual(checkpoints.checkpoint_paths(manager.directory), [f'{manager.directory}/ckpt-3'])
 
     def test_a_full_disk_at_start_is_named(self):
         with mock.patch.object(tempfile, 'mkstemp', side_effect=OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))):
             with self.assertRaisesRegex(errors.ConfigError, 'not writable \\(No space left on device\\)'):
-                checkpointing.ensure_writable(self.get_temp_dir())
+                run_folder.ensure_writable(self.get_temp_dir())
 
 
 class AllBadInputTest(tf.test.TestCase):
@@ -322,7 +322,7 @@ class AllBadInputTest(tf.test.TestCase):
                    'every record of a whole epoch ... (/d/train-00000-of-00002, /d/train-00001-of-00002)] '
                    '[Condition x < y did not hold] [[{{node assert_less}}]]')
         with self.assertRaisesRegex(errors.DataError, f'^{record_io.NO_USABLE_RECORD}: every record .*of-00002\\)$'):
-            with train.input_errors():
+            with loop.input_errors():
                 raise tf.errors.InvalidArgumentError(None, None, message)
 
     def test_a_step_error_is_not_called_a_bad_record(self):
@@ -332,10 +332,10 @@ class AllBadInputTest(tf.test.TestCase):
                    'from device /job:localhost/replica:0/task:0/device:CPU:0\n'
                    '\t [[{{node cond/then/_0/StatefulPartitionedCall}}]] [Op:__inference_train_function_123]')
         with self.assertRaisesRegex(errors.StepError, '^the step failed: Trying to access resource'):
-            with train.input_errors():
+            with loop.input_errors():
                 raise tf.errors.InvalidArgumentError(None, None, message)
         with self.assertRaisesRegex(errors.DataError, '^bad input record: Invalid JPEG data'):
-            with train.input_errors():
+            with loop.input_errors():
                 raise tf.errors.InvalidArgumentError(None, None, 'Invalid JPEG data or crop window.\n\t [[{{node '
                                                                  'DecodeAndCropJpeg}}]] [Op:IteratorGetNext]')
 
@@ -343,17 +343,17 @@ class AllBadInputTest(tf.test.TestCase):
 class ReportingTest(tf.test.TestCase):
 
     def test_the_step_outputs_are_not_summed_over_workers(self):
-        classifier = train.build_classifier(helpers.tiny_config())
+        classifier = builders.build_classifier(helpers.tiny_config())
         self.assertEqual(classifier.distribute_reduction_method, 'first')
 
     def test_sigterm_during_an_evaluation_saves_and_stops_at_once(self):
         manager = _small_manager(os.path.join(tempfile.mkdtemp(dir=self.get_temp_dir()), 'checkpoints'))
-        callback = checkpointing.SaveOnSigterm(manager, print_fn=lambda line: None)
+        callback = checkpoints.SaveOnSigterm(manager, print_fn=lambda line: None)
         model = mock.Mock()
         model.optimizer.iterations.numpy.return_value = 7
         callback.set_model(model)
         callback.on_test_batch_end(0)          # no signal: nothing happens
-        with mock.patch.object(termination, 'requested', return_value=True):
+        with mock.patch.object(preemption, 'requested', return_value=True):
             with self.assertRaisesRegex(errors.Preempted, 'at step 7'):
                 callback.on_test_batch_end(1)
         self.assertEqual(helpers.latest_checkpoint_step(manager.directory), 7)

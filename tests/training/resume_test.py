@@ -18,9 +18,9 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu.training import checkpointing
+from imagenet_tpu.training import checkpoints
 from imagenet_tpu import errors
-from imagenet_tpu import train
+from imagenet_tpu import builders
 from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
@@ -188,10 +188,10 @@ class CheckpointAtomicityTest(tf.test.TestCase):
         super().setUp()
         self.model_dir = os.path.join(self.get_temp_dir(), f'atomic-{self.id().rsplit(".", 1)[1]}')
         config = Config(depth=10, image_size=16, num_classes=4, global_batch_size=8, model_dir=self.model_dir)
-        self.classifier = train.build_classifier(config)
-        self.manager = checkpointing.checkpoint_manager(self.classifier, self.model_dir)
+        self.classifier = builders.build_classifier(config)
+        self.manager = checkpoints.checkpoint_manager(self.classifier, self.model_dir)
         self.classifier.optimizer.iterations.assign(4)
-        checkpointing.save_checkpoint(self.manager, 4)
+        checkpoints.save_checkpoint(self.manager, 4)
         self.saved = [w.copy() for w in self.classifier.network.get_weights()]
         self.classifier.optimizer.iterations.assign(8)
         for variable in self.classifier.network.weights:
@@ -199,7 +199,7 @@ class CheckpointAtomicityTest(tf.test.TestCase):
 
     def restore(self):
         messages = []
-        path = checkpointing.restore_latest(self.manager, messages.append)
+        path = checkpoints.restore_latest(self.manager, messages.append)
         return path, messages
 
     def test_a_crash_while_writing_resumes_from_the_newest_complete_checkpoint(self):
@@ -231,7 +231,7 @@ class CheckpointAtomicityTest(tf.test.TestCase):
             self.assertAllEqual(restored, saved)
 
     def test_a_damaged_latest_checkpoint_falls_back_to_the_one_before(self):
-        checkpointing.save_checkpoint(self.manager, 8)
+        checkpoints.save_checkpoint(self.manager, 8)
         data = [name for name in os.listdir(self.manager.directory) if name.startswith('ckpt-8.data')]
         with open(os.path.join(self.manager.directory, data[0]), 'r+b') as f:
             f.truncate(100)
@@ -252,8 +252,8 @@ class CheckpointAtomicityTest(tf.test.TestCase):
     def test_relative_model_dir(self):
         os.chdir(os.path.dirname(self.model_dir))
         relative = os.path.basename(self.model_dir)
-        manager = checkpointing.checkpoint_manager(self.classifier, relative)
-        self.assertEqual(os.path.basename(checkpointing.restore_latest(manager)), 'ckpt-4')
+        manager = checkpoints.checkpoint_manager(self.classifier, relative)
+        self.assertEqual(os.path.basename(checkpoints.restore_latest(manager)), 'ckpt-4')
 
 
 if __name__ == '__main__':

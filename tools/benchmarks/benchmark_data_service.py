@@ -27,8 +27,8 @@ from absl import app, flags  # noqa: E402
 
 import benchmark_input  # noqa: E402  (tools/, beside this file)
 from imagenet_tpu.distribute import cluster
-from imagenet_tpu.data import service as data_service
-from imagenet_tpu.data import pipeline as input_pipeline  # noqa: E402
+from imagenet_tpu.data import data_service
+from imagenet_tpu.data import input_pipeline  # noqa: E402
 
 _DATA_DIR = flags.DEFINE_string('data_dir', 'data/benchmark', 'Directory of train-*-of-* TFRecord shards.')
 _WORKERS = flags.DEFINE_string('workers', '1,2', 'Worker counts, one service each.')

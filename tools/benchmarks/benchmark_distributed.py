@@ -60,7 +60,7 @@ def main(argv):
     strategy_lib.use_logical_cpus(f.replicas)
     import tf_keras as keras
     from imagenet_tpu.model import classifier as classifier_lib
-    from imagenet_tpu.data import pipeline as input_pipeline
+    from imagenet_tpu.data import input_pipeline
     from imagenet_tpu.config import Config
     strategy = strategy_lib.make_strategy('cpu', num_cpu_devices=f.replicas)
     batch = f.per_replica_batch * f.replicas

@@ -5,7 +5,7 @@
     python tools/benchmarks/benchmark_input.py --data_dir data/benchmark --pipeline all --threads 1,2
 
 Pipelines, each reading the same files with the same interleave, shuffle, batch and tf.data options:
-  ours   imagenet_tpu.data.pipeline.train_dataset: decode fused with the random crop, bad records counted.
+  ours   imagenet_tpu.data.input_pipeline.train_dataset: decode fused with the random crop, bad records counted.
   naive  decodes the whole JPEG, then crops the same random window, flips and resizes (pixels out, as ours).
   tfm    tf-models-official's classification parser (official.vision.dataloaders.classification_input) with
          the same crop range, output size, flip and float32 output (needs tf-models-official; see BUILD.md).
@@ -30,9 +30,9 @@ from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package'
 
 tf = runtime.import_tensorflow()
 import step_timing  # noqa: E402  (this folder: the benchmarks' round order)
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.data import preprocessing
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord  # noqa: E402
 from imagenet_tpu.config import Config  # noqa: E402
 from imagenet_tpu.training.callbacks import resident_memory_mb  # noqa: E402

@@ -30,17 +30,17 @@ def define_flags():
 def time_optimizers(depth, image_size, batch_size, steps, rounds, optimizers, print_fn=print):
     """{optimizer: [seconds per step of each round]}, same network, weights and synthetic batch for each."""
     import tf_keras as keras
-    from imagenet_tpu.data import pipeline as input_pipeline
-    from imagenet_tpu import train
+    from imagenet_tpu.data import input_pipeline
+    from imagenet_tpu import builders
     from imagenet_tpu.config import Config
     keras.utils.set_random_seed(0)
     base = Config(depth=depth, image_size=image_size, global_batch_size=batch_size, num_classes=1000,
                   strategy='default', warmup_epochs=0)
     data = input_pipeline.synthetic_dataset(base)  # one fixed batch, repeated: no input cost
-    initial = train.build_network(base).get_weights()
+    initial = builders.build_network(base).get_weights()
     runners = {}
     for name in optimizers:
-        classifier = train.build_classifier(dataclasses.replace(base, optimizer=name.replace('_tf_keras', '')))
+        classifier = builders.build_classifier(dataclasses.replace(base, optimizer=name.replace('_tf_keras', '')))
         if name == 'sgd_tf_keras':   # the same step and schedule with tf_keras's SGD, an op per term of its update
             classifier.compile(optimizer=keras.optimizers.SGD(classifier.optimizer.learning_rate,
                                                               momentum=base.momentum), weighted_metrics=[])

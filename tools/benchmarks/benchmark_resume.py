@@ -42,9 +42,9 @@ from imagenet_tpu import runtime  # noqa: E402  (before TensorFlow: the package'
 tf = runtime.import_tensorflow()
 import numpy as np  # noqa: E402
 
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.data import record_counts
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord  # noqa: E402
 from imagenet_tpu.config import Config  # noqa: E402
 

@@ -1,9 +1,7 @@
 """Training images/s of our ResNet-50 step against keras.applications' ResNet50 (tf_keras) and tf-models-official's
 ResNet-50 (official.vision backbone + classification head), on the same synthetic batch, batch size, image size,
 optimizer (momentum SGD, no weight decay) and precision, timed in alternating rounds in one run. Also our network
-with Keras's fused batch norm instead of imagenet_tpu.cpu.batch_norm.BatchNormalization (ours_keras_bn, on request), with Keras's
-convolutions instead of the tuned convolution.Conv2D (ours_keras_conv, on request), and with LARS
-and batch_norm.GroupBatchNormalization, to show what they cost.
+with LARS and batch_norm.GroupBatchNormalization, to show what they cost.
 
 Every model is trained by the same classifier.Classifier step, so only the networks differ. Each network is built
 --instances times (interleaved: ours#1, tf_models_official#1, ours#2, ...) and every copy is timed in every round;
@@ -17,9 +15,7 @@ are v1.5 (stride on the 3x3: 4.09 GMAC): besides images/s the ratios are also gi
 
 The machine's peak: a float32 matrix product of --peak_size x --peak_size, on the same threads, timed after the
 rounds (best of --peak_repeats); each model's achieved FLOP/s (its forward multiply-adds above, times 3 for
-forward and backward, 2 FLOPs each, times images/s) is printed as a fraction of it. Where our convolutions run
-Winograd's F(2x2, 3x3) (imagenet_tpu/cpu/convolution.py) they do fewer multiply-adds than that count: the figure
-is then the rate at which a direct computation would have to run to take the same time.
+forward and backward, 2 FLOPs each, times images/s) is printed as a fraction of it.
 The last line printed is one JSON object with all figures. tf-models-official is the `peer` extra (BUILD.md);
 without it that model is skipped and said so.
 
@@ -36,7 +32,7 @@ from absl import app, flags
 import step_timing  # pylint: disable=wrong-import-position
 import turns  # pylint: disable=wrong-import-position
 
-GMAC_224 = {'ours': 4.09, 'ours_keras_bn': 4.09, 'ours_keras_conv': 4.09, 'ours_lars_groupbn': 4.09,
+GMAC_224 = {'ours': 4.09, 'ours_lars_groupbn': 4.09,
             'keras_applications': 3.86,
             'tf_models_official': 4.09}
 
@@ -80,12 +76,6 @@ def build_network(name, image_size):
     from imagenet_tpu.model import resnet
     if name == 'ours':
         return resnet.resnet(50, 1000, image_size=image_size)
-    if name == 'ours_keras_bn':   # Keras's fused batch norm instead of imagenet_tpu.cpu.batch_norm.BatchNormalization
-        return resnet.resnet(50, 1000, image_size=image_size, norm=lambda layer_name, zero_gamma: (
-            keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=layer_name,
-                                            gamma_initializer='zeros' if zero_gamma else 'ones')))
-    if name == 'ours_keras_conv':   # Keras's convolutions, untuned, instead of convolution.Conv2D's
-        return resnet.resnet(50, 1000, image_size=image_size, tune_convolutions=False)
     if name == 'ours_lars_groupbn':
         return resnet.resnet(50, 1000, image_size=image_size, norm=batch_norm.group_batch_norm_factory(1))
     if name == 'keras_applications':
@@ -106,11 +96,11 @@ def build_classifier(name: str, image_size: int, batch_size: int, precision: str
     shares: momentum SGD (LARS for ours_lars_groupbn), with loss scaling under mixed_float16. ImportError when the
     network's package (tf-models-official) is missing."""
     import tf_keras as keras
-    from imagenet_tpu import train
+    from imagenet_tpu import builders
     from imagenet_tpu.model import classifier as classifier_lib
     from imagenet_tpu.optim import lars
     keras.utils.set_random_seed(0)
-    with train.mixed_precision_policy(precision):
+    with builders.mixed_precision_policy(precision):
         network = build_network(name, image_size)
     optimizer = (lars.LARS(1.0, momentum=0.9, weight_decay=1e-4) if name == 'ours_lars_groupbn'
                  else keras.optimizers.SGD(0.1, momentum=0.9))
@@ -125,7 +115,7 @@ def main(argv):
     del argv
     step_timing.environment()
     f = flags.FLAGS
-    from imagenet_tpu.data import pipeline as input_pipeline
+    from imagenet_tpu.data import input_pipeline
     from imagenet_tpu.config import Config
     config = Config(image_size=f.image_size, global_batch_size=f.batch_size, num_classes=1000,
                     precision=f.precision)

@@ -13,7 +13,7 @@ import numpy as np
 
 
 from imagenet_tpu.commands import common
-from imagenet_tpu import train  # pylint: disable=wrong-import-position
+from imagenet_tpu import builders
 
 common.define_flags()
 
@@ -21,11 +21,11 @@ common.define_flags()
 def schedule_points(config, num_points: int = 500):
     """(steps, learning rates, alpha_sgd or None) sampled over the run."""
     steps = np.unique(np.linspace(0, config.train_steps, num_points).round().astype(np.int64))
-    rate = train.build_learning_rate(config)
+    rate = builders.build_learning_rate(config)
     rates = np.array([float(rate(int(step))) for step in steps])
     alphas = None
     if config.optimizer == 'rmsprop_warmup':
-        alpha = train.build_alpha_sgd(config)
+        alpha = builders.build_alpha_sgd(config)
         alphas = np.array([float(alpha(int(step))) for step in steps])
     return steps, rates, alphas
 

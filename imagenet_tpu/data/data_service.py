@@ -31,9 +31,9 @@ import tensorflow as tf
 
 from imagenet_tpu.config import SERVICE_MODES as MODES, SERVICE_PROTOCOL as PROTOCOL
 from imagenet_tpu.config import parse_service_address as parse_address
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.data import record_counts
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.errors import ConfigError
 

@@ -1,4 +1,7 @@
-"""SIGTERM, the preemption notice of cloud VMs and schedulers, always ends the process within a bounded time.
+"""SIGTERM, the preemption notice of cloud VMs and schedulers: noted for the savers (checkpoints.py SaveOnSigterm and
+SaveOnPreemptionAcrossWorkers), and the process always ended within a bounded time.
+
+This module imports no TensorFlow: the commands import it and take SIGTERM over before TensorFlow starts threads.
 
 Python runs a signal handler only in the main thread, between two bytecodes: while the main thread waits inside
 TensorFlow (a step whose input has stalled, a MultiWorkerMirroredStrategy waiting for its peers), a handler set
@@ -7,7 +10,7 @@ its own that only logs the signal. So the commands take SIGTERM away from every 
 (listen, before TensorFlow starts any thread: the mask is inherited) and receive it in a thread of their own
 (signal.sigwait), which:
 
-- notes the request (requested()): a training run saves at its next step end and stops (checkpointing.py);
+- notes the request (requested()): a training run saves at its next step end and stops (checkpoints.py);
 - passes the signal on to a Python handler another library installed (TensorFlow's
   PreemptionCheckpointHandler, which agrees on the step every worker saves);
 - after the grace period (set_grace: 0 until training starts, then --termination_grace_seconds), if the process

@@ -9,8 +9,8 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu.data import pipeline as input_pipeline
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import eval_input, input_pipeline
+from imagenet_tpu.data import record_io
 from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
@@ -47,7 +47,7 @@ class BadRecordsTest(tf.test.TestCase):
 
     def test_evaluation_counts_exactly(self):
         counts = record_io.SkipCounts()
-        batches = list(input_pipeline.eval_dataset(_config(self.data_dir), skip_counts=counts))
+        batches = list(eval_input.eval_dataset(_config(self.data_dir), skip_counts=counts))
         labels = np.concatenate([b[1].numpy() for b in batches])
         weights = np.concatenate([b[2].numpy() for b in batches])
         self.assertCountEqual(labels[weights == 1] + 1, self.good_labels)
@@ -56,7 +56,7 @@ class BadRecordsTest(tf.test.TestCase):
     def test_fatal_setting_stops_at_the_first_bad_record(self):
         config = _config(self.data_dir, bad_records='fatal')
         with self.assertRaises((tf.errors.InvalidArgumentError, tf.errors.DataLossError)):
-            for _ in input_pipeline.eval_dataset(config):
+            for _ in eval_input.eval_dataset(config):
                 pass
         with self.assertRaises((tf.errors.InvalidArgumentError, tf.errors.DataLossError)):
             for _ in input_pipeline.train_dataset(config).take(8):

@@ -9,6 +9,7 @@ import tensorflow as tf
 from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=no-name-in-module
 from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 
+from imagenet_tpu.files import is_local
 from imagenet_tpu.data import record_counts
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.errors import ConfigError, DataError, summarize_graph_error
@@ -61,7 +62,7 @@ def file_sizes(paths: list) -> list:
     for path in paths:
         try:
             sizes.append(tf.io.gfile.stat(path).length)
-            if record_counts.is_local(path):
+            if is_local(path):
                 os.close(os.open(path, os.O_RDONLY))   # permissions, without reading (stat does not check them)
         except (tf.errors.OpError, OSError) as error:
             raise DataError(f'cannot read {path} ({type(error).__name__})') from None
@@ -230,7 +231,7 @@ def enumerate_records(records: tf.data.Dataset, read: Optional[tf.Variable]) -> 
     return indexed.map(note)
 
 
-NO_USABLE_RECORD = 'no usable record'   # the start of the error a stream of failures ends with (train.py)
+NO_USABLE_RECORD = 'no usable record'   # the start of the error a stream of failures ends with (training/loop.py)
 
 
 def describe_files(paths) -> str:

@@ -8,9 +8,9 @@ import tensorflow as tf
 
 import helpers
 from imagenet_tpu import errors
-from imagenet_tpu.data import pipeline as input_pipeline
+from imagenet_tpu.data import eval_input, input_pipeline
 from imagenet_tpu.data import preprocessing
-from imagenet_tpu.data import records as record_io
+from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.config import Config
 
@@ -32,7 +32,7 @@ class InputPipelineTest(tf.test.TestCase):
 
     def test_eval_covers_every_image_once_with_centre_crop(self):
         config = _config(self.data_dir)
-        batches = list(input_pipeline.eval_dataset(config))
+        batches = list(eval_input.eval_dataset(config))
         images = np.concatenate([b[0].numpy() for b in batches])
         labels = np.concatenate([b[1].numpy() for b in batches])
         weights = np.concatenate([b[2].numpy() for b in batches])
@@ -62,7 +62,7 @@ class InputPipelineTest(tf.test.TestCase):
         for host in range(2):
             context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=host,
                                                  num_replicas_in_sync=4)
-            batches = list(input_pipeline.eval_dataset(config, context))
+            batches = list(eval_input.eval_dataset(config, context))
             self.assertLen(batches, 3 * 2)   # steps x replicas per host, all full
             for images, _, weights in batches:
                 self.assertEqual(len(weights), 2)
@@ -193,11 +193,11 @@ class InputPipelineTest(tf.test.TestCase):
             record_io.check_labels(record_io.list_shards(self.data_dir, 'train')[3], config.num_classes,
                                    config.label_offset, config.bad_records == 'fatal')
         with self.assertRaisesRegex(tf.errors.InvalidArgumentError, 'label out of range'):
-            for _ in input_pipeline.eval_dataset(dataclasses.replace(config, bad_records='fatal')):
+            for _ in eval_input.eval_dataset(dataclasses.replace(config, bad_records='fatal')):
                 pass
         # Skipping instead: the 5 validation images of label 4 are counted, the other 15 evaluated.
         counts = record_io.SkipCounts()
-        weights = [b[2].numpy() for b in input_pipeline.eval_dataset(config, skip_counts=counts)]
+        weights = [b[2].numpy() for b in eval_input.eval_dataset(config, skip_counts=counts)]
         self.assertEqual(np.sum(weights), 15)
         self.assertEqual(counts.totals(), {'bad_records': 5, 'truncated_files': 0})
 
@@ -231,7 +231,7 @@ class InputPipelineTest(tf.test.TestCase):
     def test_resize_setting_reaches_training_and_evaluation(self):
         config = _config(self.data_dir, deterministic=True)
         bicubic = dataclasses.replace(config, resize_method='bicubic')
-        for stream in (input_pipeline.train_dataset, input_pipeline.eval_dataset):
+        for stream in (input_pipeline.train_dataset, eval_input.eval_dataset):
             first = next(iter(stream(config)))[0].numpy()
             again = next(iter(stream(config)))[0].numpy()
             other = next(iter(stream(bicubic)))[0].numpy()

@@ -1,31 +1,22 @@
 """Checkpoints of a run: where they go (the chief's; the other workers' are deleted once written), saving at
-intervals and on SIGTERM, resuming from the newest readable one, the check that model_dir holds the same model,
-the lock that keeps a second trainer out, and the model.fit calls a resumed run makes (fit_segments).
+intervals and on SIGTERM (preemption.py notes the signal), and restoring the newest readable one.
 
-Nothing outside model_dir is written or deleted: removals and the write probe never follow a symbolic link, and
-the files of ours (model.json, config.json, results.json) are written under a temporary name and renamed, which
-replaces a link instead of writing through it.
+TensorFlow writes a checkpoint's files under temporary names and updates the folder's `checkpoint` state file
+last; checkpoints are found by listing their ckpt-STEP.index files, so a missing or damaged state file hides none.
 """
 
-import errno
-import json
-import math
 import os
 import re
-import shutil
-import socket
-import stat
-import tempfile
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Optional
 
 import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=no-name-in-module
 from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 import tf_keras as keras
 
-from imagenet_tpu.config import Config
-from imagenet_tpu.data import record_counts
-from imagenet_tpu.errors import CheckpointError, ConfigError, Preempted, TrainingDiverged
-from imagenet_tpu.training import termination
+from imagenet_tpu import files
+from imagenet_tpu.errors import CheckpointError, Preempted, TrainingDiverged
+from imagenet_tpu.training import preemption
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -49,45 +40,6 @@ def checkpoint_directory(model_dir: str, strategy: tf.distribute.Strategy) -> st
     return os.path.join(model_dir, f'.worker-{strategy.cluster_resolver.task_id}')
 
 
-def describe_os_error(error: BaseException) -> str:
-    """A short reason for a failed file operation: 'No space left on device', 'Permission denied', ..."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    if isinstance(error, tf.errors.OpError):
-        message = error.message.strip().splitlines()[0] if error.message.strip() else ''
-        for code in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
-            if os.strerror(code).lower() in message.lower():
-                return os.strerror(code)
-        return message[:200] or type(error).__name__
-    return type(error).__name__
-
-
-def remove_tree(path: str) -> None:
-    """Deletes ``path`` and what is under it without following a symbolic link: a link (to a folder or a file)
-    is removed itself, never its target, at the top or anywhere below (shutil.rmtree works on file descriptors
-    on Linux and does not follow links). Remote paths (gs://..., which have no links) go through tf.io.gfile."""
-    if not record_counts.is_local(path):
-        if tf.io.gfile.exists(path):
-            tf.io.gfile.rmtree(path)
-        return
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def real_directory(path: str) -> None:
-    """Makes ``path`` a directory of its own: a symbolic link (or file) there is removed first (not its target)."""
-    if record_counts.is_local(path) and (os.path.islink(path) or
-                                         (os.path.lexists(path) and not os.path.isdir(path))):
-        os.unlink(path)
-    tf.io.gfile.makedirs(path)
-
-
 class WorkerScratchCheckpoints(tf.train.CheckpointManager):
     """The checkpoint manager of a non-chief worker: it takes part in every save (which is collective), and
     deletes its copy once written, as TensorFlow's PreemptionCheckpointHandler does with the copies it makes.
@@ -95,10 +47,10 @@ class WorkerScratchCheckpoints(tf.train.CheckpointManager):
     in its place is removed, not written through."""
 
     def save(self, *args, **kwargs):
-        remove_tree(self.directory)
-        real_directory(self.directory)
+        files.remove_tree(self.directory)
+        files.real_directory(self.directory)
         path = super().save(*args, **kwargs)
-        remove_tree(self.directory)
+        files.remove_tree(self.directory)
         return path
 
 
@@ -114,7 +66,7 @@ def checkpoint_manager(classifier: keras.Model, model_dir: str,
     checkpoint = run_checkpoint(classifier)
     strategy = strategy or tf.distribute.get_strategy()
     if not is_chief(strategy):
-        remove_tree(checkpoint_directory(model_dir, strategy))   # a previous run's scratch, or a link planted there
+        files.remove_tree(checkpoint_directory(model_dir, strategy))   # a previous run's scratch, or a link planted there
     if is_chief(strategy):
         return tf.train.CheckpointManager(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=3,
                                           checkpoint_name='ckpt')
@@ -169,7 +121,7 @@ def save_checkpoint(manager: tf.train.CheckpointManager, step: int) -> None:
     except (tf.errors.OpError, OSError) as error:
         remove_temporary(manager.directory)
         raise CheckpointError(f'cannot write checkpoint ckpt-{step} to {manager.directory} '
-                              f'({describe_os_error(error)}); the checkpoints before it are intact') from None
+                              f'({files.describe_os_error(error)}); the checkpoints before it are intact') from None
 
 
 class Checkpoints(keras.callbacks.Callback):
@@ -202,7 +154,7 @@ class Checkpoints(keras.callbacks.Callback):
 class SaveOnSigterm(keras.callbacks.Callback):
     """On SIGTERM (the preemption notice of cloud VMs), saves a checkpoint at the end of the current training
     step (or evaluation batch) and raises Preempted at once: no evaluation runs after it. SIGTERM is watched
-    by termination.py, which also ends the process ``grace_seconds`` after the signal if no step ends (a stalled
+    by preemption.py, which also ends the process ``grace_seconds`` after the signal if no step ends (a stalled
     input); called from a program of its own, the callback watches for the duration of training."""
 
     def __init__(self, manager: tf.train.CheckpointManager, print_fn=print, grace_seconds: float = 25.0):
@@ -212,8 +164,8 @@ class SaveOnSigterm(keras.callbacks.Callback):
         self._watch = None
 
     def on_train_begin(self, logs=None):
-        if not termination.active():
-            self._watch = termination.during_training(self.grace_seconds)
+        if not preemption.active():
+            self._watch = preemption.during_training(self.grace_seconds)
             self._watch.__enter__()
 
     def _stop_watching(self):
@@ -225,7 +177,7 @@ class SaveOnSigterm(keras.callbacks.Callback):
         self._stop_watching()
 
     def _save_and_stop(self):
-        if not termination.requested() or self.saved_step is not None:
+        if not preemption.requested() or self.saved_step is not None:
             return
         step = int(self.model.optimizer.iterations.numpy())
         save_checkpoint(self.manager, step)
@@ -281,76 +233,6 @@ def uses_cluster(strategy: tf.distribute.Strategy) -> bool:
             and bool(resolver.cluster_spec().jobs))
 
 
-# The settings that define the network's variables: a checkpoint only fits a network built with the same ones.
-MODEL_SETTINGS = ('depth', 'num_classes', 'image_size', 'norm', 'space_to_depth')
-
-
-MODEL_FILE = 'model.json'
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (its type when it has none)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def read_json_object(path: str, what: str) -> dict:
-    """The JSON object in ``path`` (``what`` it holds, for the message); CheckpointError naming the file when it
-    cannot be read, is not UTF-8 JSON, or holds another kind of value."""
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            value = json.loads(f.read())
-    except UnicodeDecodeError:
-        raise CheckpointError(f'{path} is damaged: not UTF-8 text') from None
-    except ValueError as error:     # json.JSONDecodeError: cut short, or not JSON at all
-        raise CheckpointError(f'{path} is damaged: not valid JSON ({first_line(error)})') from None
-    except (tf.errors.OpError, OSError) as error:
-        raise CheckpointError(f'cannot read {path} ({type(error).__name__}: {first_line(error)})') from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f'{path} is damaged: a JSON {type(value).__name__}, not an object of {what}')
-    return value
-
-
-def model_settings(config: Config) -> dict:
-    return {name: getattr(config, name) for name in MODEL_SETTINGS}
-
-
-def check_model_settings(config: Config, model_dir: str) -> None:
-    """Refuses to resume from checkpoints of a different model, naming each setting that differs from
-    model_dir/model.json. Without checkpoints in model_dir nothing binds it (a run that failed before its first
-    checkpoint leaves no model behind), and record_run then writes the new settings."""
-    path = os.path.join(model_dir, MODEL_FILE)
-    if not checkpoint_paths(os.path.join(model_dir, 'checkpoints')) or not tf.io.gfile.exists(path):
-        return
-    saved = read_json_object(path, 'model settings')
-    differences = [f'{name}={saved.get(name)!r} there, {value!r} now' for name, value in model_settings(config).items()
-                   if saved.get(name) != value]
-    if differences:
-        raise CheckpointError(f'--model_dir {model_dir} holds checkpoints of a different model ('
-                              + '; '.join(differences) + '): use another --model_dir or the same settings')
-
-
-def _finite_or_none(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_none(item) for item in value]
-    return value
-
-
-def write_json(path: str, value) -> None:
-    """Writes ``value`` as JSON (NaN and infinities as null: valid JSON) under a temporary name in the same folder,
-    then renames it over ``path``: a reader never sees half a file, and a link at ``path`` is replaced, not written
-    through."""
-    text = json.dumps(_finite_or_none(value), indent=2, allow_nan=False)
-    temporary = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.tmp-{os.getpid()}')
-    with tf.io.gfile.GFile(temporary, 'w') as f:
-        f.write(text)
-    tf.io.gfile.rename(temporary, path, overwrite=True)
-
-
 # How TensorFlow reports checkpoint files it cannot read (its reader reports a short data file as IndexError).
 READ_ERRORS = (tf.errors.OpError, IndexError, OSError)
 
@@ -397,7 +279,6 @@ def repair_state(directory: str, print_fn=print) -> None:
     # With each checkpoint's time (its .index file's), and none preserved, the manager counts them towards
     # max_to_keep as its own: without times it would keep them for ever.
     times = [tf.io.gfile.stat(f'{path}.index').mtime_nsec / 1e9 for path in paths]
-    from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=import-outside-toplevel
     checkpoint_management.update_checkpoint_state_internal(
         save_dir=directory, model_checkpoint_path=paths[-1], all_model_checkpoint_paths=paths,
         all_model_checkpoint_timestamps=times, last_preserved_timestamp=min(times) - 1, save_relative_paths=True)
@@ -412,7 +293,7 @@ def remove_temporary(directory: str) -> List[str]:
         return []
     removed = [name.rstrip('/') for name in names if _TEMPORARY.fullmatch(name.rstrip('/'))]
     for name in removed:
-        remove_tree(os.path.join(directory, name))
+        files.remove_tree(os.path.join(directory, name))
     return removed
 
 
@@ -458,134 +339,3 @@ def restore_latest(manager: tf.train.CheckpointManager, print_fn=print,
     return None
 
 
-class FitSegment(NamedTuple):
-    initial_epoch: int
-    epochs: int
-    steps_per_epoch: int
-
-
-def fit_segments(start_step: int, total_steps: int, steps_per_epoch: int) -> List[FitSegment]:
-    """model.fit calls that run steps start_step..total_steps with epochs aligned to steps_per_epoch.
-
-    A resumed run first finishes the interrupted epoch (a short epoch), then runs whole epochs; a final partial
-    epoch (fractional train_epochs) is its own call.
-    """
-    segments = []
-    step = start_step
-    while step < total_steps:
-        epoch, done = divmod(step, steps_per_epoch)
-        if done or total_steps - step < steps_per_epoch:
-            steps = min(steps_per_epoch - done, total_steps - step)
-            segments.append(FitSegment(epoch, epoch + 1, steps))
-        else:
-            whole = (total_steps - step) // steps_per_epoch
-            segments.append(FitSegment(epoch, epoch + whole, steps_per_epoch))
-            steps = whole * steps_per_epoch
-        step += steps
-    return segments
-
-
-def ensure_writable(model_dir: str) -> None:
-    """ConfigError with the reason (a full disk, permissions) when a file cannot be written in model_dir. On a
-    local disk the probe is a new file of a random name (never a link followed); workers share model_dir."""
-    try:
-        if record_counts.is_local(model_dir) and os.path.lexists(model_dir) and not os.path.isdir(model_dir):
-            raise ConfigError(f'--model_dir {model_dir} is a file, not a directory')
-        tf.io.gfile.makedirs(model_dir)
-        if record_counts.is_local(model_dir):
-            handle, probe = tempfile.mkstemp(prefix='.write_probe-', dir=model_dir)
-            try:
-                os.write(handle, b'ok')
-                os.fsync(handle)
-            finally:
-                os.close(handle)
-                os.unlink(probe)
-        else:
-            probe = os.path.join(model_dir, f'.write_probe-{socket.gethostname()}-{os.getpid()}')
-            with tf.io.gfile.GFile(probe, 'w') as f:
-                f.write('ok')
-            tf.io.gfile.remove(probe)
-    except (tf.errors.OpError, OSError) as error:
-        raise ConfigError(f'--model_dir {model_dir} is not writable ({describe_os_error(error)})') from None
-    checkpoints = os.path.join(model_dir, 'checkpoints')
-    if tf.io.gfile.exists(checkpoints) and not tf.io.gfile.isdir(checkpoints):
-        raise ConfigError(f'{checkpoints} is a file, not the folder of checkpoints: move it away')
-
-
-CONFIG_FILE = 'config.json'    # a run's settings, Config.to_json
-LOCK_FILE = '.lock'
-
-
-class ModelDirLock:
-    """An exclusive lock on a local model_dir (flock on model_dir/.lock), held while a trainer runs: a second
-    trainer on the same model_dir is refused. The kernel releases it when the process ends however it ends, so a
-    crashed run never leaves it stuck. Remote model_dirs (gs://...) have no such lock."""
-
-    def __init__(self, model_dir: str):
-        self.path, self._fd = os.path.join(model_dir, LOCK_FILE), None
-        if not record_counts.is_local(model_dir):
-            return
-        import fcntl  # pylint: disable=import-outside-toplevel  (POSIX only)
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, 'O_CLOEXEC', 0), 0o644)
-        except OSError as error:
-            raise ConfigError(f'cannot open {self.path} ({describe_os_error(error)})') from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 200, 0).decode(errors='replace').strip() or 'another process'
-            os.close(fd)
-            raise ConfigError(f'--model_dir {model_dir} is in use by another trainer ({holder}); wait for it to end '
-                              'or use another --model_dir') from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f'process {os.getpid()} on {socket.gethostname()}\n'.encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)      # closing the file releases the lock
-            self._fd = None
-
-
-def prepare_model_dir(config: Config, chief: bool, print_fn=print) -> Optional[ModelDirLock]:
-    """Checks at start that model_dir can be written; on the chief also takes the model_dir's lock (returned),
-    refuses another model's checkpoints, repairs the checkpoints' state file and removes the leftovers of saves
-    cut short. Nothing is recorded yet: record_run does, once the data has been checked."""
-    ensure_writable(config.model_dir)
-    if not chief:
-        return None
-    lock = ModelDirLock(config.model_dir)
-    try:
-        check_model_settings(config, config.model_dir)
-        directory = os.path.join(config.model_dir, 'checkpoints')
-        removed = remove_temporary(directory)
-        if removed:
-            print_fn(f'removed {len(removed)} unfinished checkpoint saves in {directory}: {", ".join(removed)}')
-        repair_state(directory, print_fn)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def record_run(config: Config) -> None:
-    """Records the model-defining settings (model.json) and the run's settings (config.json, what the evaluation
-    command starts from) in model_dir: called by the chief once the data has been checked."""
-    write_json(os.path.join(config.model_dir, MODEL_FILE), model_settings(config))
-    write_json(os.path.join(config.model_dir, CONFIG_FILE), json.loads(config.to_json()))
-
-
-def resume(classifier: keras.Model, model_dir: str, strategy: tf.distribute.Strategy,
-           print_fn=print, grace_seconds: float = 25.0) -> Tuple[tf.train.CheckpointManager, keras.callbacks.Callback]:
-    """(this process's checkpoint manager, the callback that saves on SIGTERM), after restoring the run's newest
-    readable checkpoint if any. Every worker resumes from the chief's checkpoints. On a cluster of workers the
-    SIGTERM callback is SaveOnPreemptionAcrossWorkers, else SaveOnSigterm."""
-    manager = checkpoint_manager(classifier, model_dir, strategy)
-    if uses_cluster(strategy):
-        on_sigterm = SaveOnPreemptionAcrossWorkers(manager, strategy, print_fn)
-    else:
-        on_sigterm = SaveOnSigterm(manager, print_fn, grace_seconds)
-    restored = restore_latest(manager, print_fn, os.path.join(model_dir, 'checkpoints'))
-    if restored:
-        print_fn(f'resumed from {restored} at step {int(classifier.optimizer.iterations.numpy())}')
-    return manager, on_sigterm
