@@ -86,8 +86,12 @@ def build_export_network(config: Config, network: keras.Model) -> keras.Model:
     over per-replica reads pinned to the training devices (~2 x 53 x replicas reads, served elsewhere only by soft
     placement). The twin has one replica's layers (per-replica batch norm at inference is the same function of
     the same variables); ``get_weights`` reads each synchronized-on-read statistic as its mean over the replicas,
-    the value a checkpoint holds. Call outside ``strategy.scope()``."""
-    twin = build_network(dataclasses.replace(config, bn_group_size=1, bn_span=None), 1)
+    the value a checkpoint holds. Call outside ``strategy.scope()``.
+
+    The twin computes in float32 whatever the run's precision: a bfloat16 network's graph does not convert to
+    TensorFlow Lite ("'tf.Sub' op is neither a custom op nor a flex op") and serves slowly on CPUs. Its variables
+    are float32 under every policy, so the trained values carry over unchanged."""
+    twin = build_network(dataclasses.replace(config, bn_group_size=1, bn_span=None, precision='float32'), 1)
     twin.set_weights(network.get_weights())
     return twin
 
@@ -180,6 +184,11 @@ def build_classifier(config: Config) -> classifier_lib.Classifier:
     if config.gradient_noise_scale and strategy.num_replicas_in_sync < 2:
         raise ConfigError('--gradient_noise_scale needs 2 or more replicas: it compares the gradient of one '
                           "replica's batch with the global batch's")
+    if (config.gradient_noise_scale and config.norm != 'none'
+            and config.bn_group_size_for(strategy.num_replicas_in_sync) > 1):
+        raise ConfigError("--gradient_noise_scale needs each replica's gradient to depend on its own images only; "
+                          'batch norm over groups of replicas couples them and biases the estimate: measure it with '
+                          '--bn_group_size=1')
     network = build_network(config, strategy.num_replicas_in_sync, strategy_lib.replica_order(strategy))
     classifier = classifier_lib.Classifier(network, global_batch_size=config.global_batch_size,
                                            noise_scale=noise_scale.GradientNoiseScale()

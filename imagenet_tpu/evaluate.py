@@ -21,7 +21,7 @@ import tensorflow as tf
 from imagenet_tpu import builders, files
 from imagenet_tpu import config as config_lib
 from imagenet_tpu.config import Config
-from imagenet_tpu.data import labels
+from imagenet_tpu.data import eval_input, labels
 from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.errors import CheckpointError
 from imagenet_tpu.model import batch_norm
@@ -151,7 +151,7 @@ class Evaluator:
         self.prepare(path)
         self._step_fn = self._step_fn or self._logits_step()
         eval_data = builders.build_eval_dataset(config, self.strategy)
-        steps = config.eval_steps_for(strategy_lib.num_input_pipelines(self.strategy))
+        steps = eval_input.eval_steps(config, strategy_lib.num_input_pipelines(self.strategy))
         classes = config.num_classes
         correct, counts = np.zeros(classes), np.zeros(classes)
         top_5, loss_sum = 0.0, 0.0

@@ -12,7 +12,9 @@ from typing import List, Sequence
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')  # keep TensorFlow's C++ start-up chatter out of the progress
 
 from imagenet_tpu import runtime  # first: sets oneDNN before TensorFlow is imported (runtime.py)
+from imagenet_tpu.distribute import cluster  # noqa: E402
 
+cluster.bind_slurm_gpus()     # a Slurm task's GPUs, before TensorFlow lists the devices (cluster.py)
 tf = runtime.import_tensorflow()
 from absl import app, flags, logging  # noqa: E402
 

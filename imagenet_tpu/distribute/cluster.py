@@ -93,6 +93,29 @@ def slurm_gpus(environ=os.environ):
     return most, 1, False
 
 
+def bind_slurm_gpus(environ=os.environ) -> str:
+    """Gives this Slurm task its share of the node's GPUs in CUDA_VISIBLE_DEVICES before TensorFlow first lists its
+    devices; returns the value set ('' when nothing is set). TensorFlow reads the variable once, when it lists
+    the devices, and the commands list them at start (runtime.import_tensorflow): set later by
+    SlurmClusterResolver (slurm_cluster_resolver.py 350-351), it would come too late and every task would place
+    replicas on all of the node's GPUs (collective_all_reduce_strategy.py 403-417). Only where the resolver would
+    set it (node GPUs shared by several tasks: slurm_gpus), outside a TF_CONFIG cluster, and never over a value
+    Slurm bound itself; task j of its node takes GPUs j * per_task ... (j + 1) * per_task - 1, as the resolver
+    allocates them (slurm_cluster_resolver.py 318-331)."""
+    if environ.get('TF_CONFIG') or not under_slurm(environ) or environ.get('CUDA_VISIBLE_DEVICES'):
+        return ''
+    try:
+        _, per_task, share = slurm_gpus(environ)
+        local = int(environ.get('SLURM_LOCALID', ''))
+    except (KeyError, ValueError):
+        return ''
+    if not share:
+        return ''
+    value = ','.join(str(gpu) for gpu in range(local * per_task, (local + 1) * per_task))
+    environ['CUDA_VISIBLE_DEVICES'] = value
+    return value
+
+
 def slurm_tf_config(port: int = 8888) -> str:
     """The TF_CONFIG value of this Slurm task (from os.environ): every task of the step a worker, by TensorFlow's
     SlurmClusterResolver (SLURM_STEP_NODELIST expanded, tasks on each node at ``port`` + their index there, this

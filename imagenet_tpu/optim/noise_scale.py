@@ -11,8 +11,10 @@ norm of the global gradient, the unbiased estimates of their appendix A are
 
 Both are noisy step by step, so each is averaged over steps (an exponential moving average with ``decay``, bias
 corrected, as the paper advises: the ratio of the averages, not the average of ratios) before the ratio is taken.
-It needs at least two replicas (b < B). Where the averaged |G|^2 estimate is not positive, B_simple is reported as
-NaN (not resolved).
+It needs at least two replicas (b < B), and replicas whose gradients are independent: with batch norm over groups
+of replicas each replica's gradient depends on the others' images, which biases the estimate (builders.py refuses
+that combination). Where the averaged |G|^2 estimate is not positive, B_simple is reported as NaN (not resolved);
+a step with non-finite gradients is left out.
 """
 
 import tensorflow as tf
@@ -52,10 +54,14 @@ class GradientNoiseScale(tf.Module):
         big = squared_norm(global_gradients)
         squared_gradient = (big_batch * big - small_batch * small) / (big_batch - small_batch)
         trace = (small - big) / (1.0 / small_batch - 1.0 / big_batch)
-        decay = self.decay
-        self.squared_gradient.assign(decay * self.squared_gradient + (1 - decay) * squared_gradient)
-        self.trace.assign(decay * self.trace + (1 - decay) * trace)
-        self.steps.assign_add(1.0)
+        # A step whose gradients overflowed (mixed_float16 before the loss scale drops) adds nothing: averaged in,
+        # its infinity would leave the estimates NaN for the rest of the run.
+        finite = tf.math.is_finite(squared_gradient) & tf.math.is_finite(trace)
+        decay = tf.where(finite, self.decay, 1.0)
+        update = tf.where(finite, squared_gradient, 0.0)
+        self.squared_gradient.assign(decay * self.squared_gradient + (1 - decay) * update)
+        self.trace.assign(decay * self.trace + (1 - decay) * tf.where(finite, trace, 0.0))
+        self.steps.assign_add(tf.where(finite, 1.0, 0.0))
         return self.result()
 
     def result(self) -> dict:

@@ -7,10 +7,12 @@ last; checkpoints are found by listing their ckpt-STEP.index files, so a missing
 
 import os
 import re
-from typing import List, Optional
+import time
+from typing import Callable, List, Optional
 
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=no-name-in-module
+from tensorflow.python.distribute.failure_handling import failure_handling_util  # pylint: disable=no-name-in-module
 from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 import tf_keras as keras
 
@@ -66,7 +68,8 @@ def checkpoint_manager(classifier: keras.Model, model_dir: str,
     checkpoint = run_checkpoint(classifier)
     strategy = strategy or tf.distribute.get_strategy()
     if not is_chief(strategy):
-        files.remove_tree(checkpoint_directory(model_dir, strategy))   # a previous run's scratch, or a link planted there
+        # a previous run's scratch, or a link planted there
+        files.remove_tree(checkpoint_directory(model_dir, strategy))
     if is_chief(strategy):
         return tf.train.CheckpointManager(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=3,
                                           checkpoint_name='ckpt')
@@ -117,7 +120,8 @@ def save_checkpoint(manager: tf.train.CheckpointManager, step: int) -> None:
                                'not saved: the last checkpoint is the last finite one (lower the learning rate, or '
                                'check the input for bad values)')
     try:
-        manager.save(checkpoint_number=step)
+        with preemption.saving():      # SIGTERM's deadline lets a save under way complete
+            manager.save(checkpoint_number=step)
     except (tf.errors.OpError, OSError) as error:
         remove_temporary(manager.directory)
         raise CheckpointError(f'cannot write checkpoint ckpt-{step} to {manager.directory} '
@@ -151,6 +155,14 @@ class Checkpoints(keras.callbacks.Callback):
         self._save(self._step())
 
 
+def _note_host_call(callback: keras.callbacks.Callback, seconds: float) -> None:
+    """Tells preemption.py how long a host call takes, from the second call of each model.fit on (the first
+    also traces and compiles the step)."""
+    callback.host_calls = getattr(callback, 'host_calls', 0) + 1
+    if callback.host_calls > 1:
+        preemption.note_host_call(seconds)
+
+
 class SaveOnSigterm(keras.callbacks.Callback):
     """On SIGTERM (the preemption notice of cloud VMs), saves a checkpoint at the end of the current training
     step (or evaluation batch) and raises Preempted at once: no evaluation runs after it. SIGTERM is watched
@@ -161,9 +173,11 @@ class SaveOnSigterm(keras.callbacks.Callback):
         super().__init__()
         self.manager, self.print_fn, self.grace_seconds = manager, print_fn, grace_seconds
         self.saved_step = None
+        self._call_started = time.monotonic()
         self._watch = None
 
     def on_train_begin(self, logs=None):
+        self.host_calls = 0
         if not preemption.active():
             self._watch = preemption.during_training(self.grace_seconds)
             self._watch.__enter__()
@@ -188,11 +202,26 @@ class SaveOnSigterm(keras.callbacks.Callback):
         raise Preempted(f'stopped by SIGTERM at step {step} after saving it; run the same command again to '
                         'continue')
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call_started = time.monotonic()
+
     def on_train_batch_end(self, batch, logs=None):
+        _note_host_call(self, time.monotonic() - self._call_started)
         self._save_and_stop()
 
     def on_test_batch_end(self, batch, logs=None):
         self._save_and_stop()
+
+
+def termination_watcher(platform) -> Callable[[], bool]:
+    """What TensorFlow's PreemptionCheckpointHandler polls (every second) for this worker's termination notice:
+    SIGTERM as preemption.py receives it, and on Google Cloud GPU VMs also the host maintenance event. Given no
+    watcher, the handler watches only the maintenance event there and installs no SIGTERM handler at all
+    (failure_handling.py 250-255, 670-675), so a SIGTERM saved nothing; elsewhere it would install its own
+    handler, which the commands' SIGTERM thread stands in front of."""
+    if platform == failure_handling_util.PlatformDevice.GCE_GPU:
+        return lambda: preemption.requested() or failure_handling_util.termination_watcher_function_gce()
+    return preemption.requested
 
 
 class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
@@ -209,8 +238,15 @@ class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
         super().__init__()
         self.manager, self.print_fn = manager, print_fn
         self.saved_step = None
+        self._call_started = time.monotonic()
         self._step = 0
-        config = tf.distribute.experimental.TerminationConfig(exit_fn=self._exit, grace_period=0)
+        platform = failure_handling_util.detect_platform()
+        if platform == failure_handling_util.PlatformDevice.GCE_CPU:
+            print_fn("warning: on Google Cloud CPU VMs TensorFlow's PreemptionCheckpointHandler does nothing "
+                     '(failure_handling.py 511-519): SIGTERM ends this run after --termination_grace_seconds '
+                     'without a save; the checkpoints of every --checkpoint_every_steps stay')
+        config = tf.distribute.experimental.TerminationConfig(
+            termination_watcher_fn=termination_watcher(platform), exit_fn=self._exit, grace_period=0)
         self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
             strategy.cluster_resolver, manager, termination_config=config)
 
@@ -220,7 +256,11 @@ class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
         raise Preempted(f'stopped by SIGTERM to a worker at step {self._step}, after every worker saved it; run '
                         'the same command again to continue')
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call_started = time.monotonic()
+
     def on_train_batch_end(self, batch, logs=None):
+        _note_host_call(self, time.monotonic() - self._call_started)
         self._step = int(self.model.optimizer.iterations.numpy())
         with deprecation.silence():   # the handler reads its own deprecated total_run_calls when it saves
             self.handler.save_checkpoint_if_preempted(checkpoint_number=self._step)

@@ -10,7 +10,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu.config import Config
-from imagenet_tpu.data import record_io
+from imagenet_tpu.data import eval_input, record_io
 from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.errors import DataError, InputEnded, Preempted, StepError, summarize_graph_error
 from imagenet_tpu.training import callbacks as callbacks_lib
@@ -104,7 +104,7 @@ def fit(config: Config, classifier: keras.Model, strategy: tf.distribute.Strateg
     iterates its dataset from the beginning, so a call that starts at step N needs the stream built for N).
     Raises Preempted after a SIGTERM save, InputEnded when a fit call's input ran out."""
     start_step = current_step(classifier)
-    eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
+    eval_steps = eval_input.eval_steps(config, strategy_lib.num_input_pipelines(strategy))
     validate = eval_data is not None and config.eval_every_epochs
     sigterm = next((c for c in callbacks if isinstance(c, checkpoints.SaveOnSigterm)), None)
     train_loss, images_per_second, evaluations, noise, final_validation = float('nan'), 0.0, 0, None, None
@@ -157,7 +157,7 @@ def fit(config: Config, classifier: keras.Model, strategy: tf.distribute.Strateg
 def evaluate(config: Config, classifier: keras.Model, strategy: tf.distribute.Strategy,
              eval_data, callbacks: list, print_fn=print) -> dict:
     """Held-out loss, top_1 and top_5 over every validation image once, and eval_images (the count)."""
-    eval_steps = config.eval_steps_for(strategy_lib.num_input_pipelines(strategy))
+    eval_steps = eval_input.eval_steps(config, strategy_lib.num_input_pipelines(strategy))
     kept = (callbacks_lib.InputWatchdog, callbacks_lib.AverageMovingStatistics, callbacks_lib.ReestimateBatchNorm,
             checkpoints.SaveOnSigterm)
     evaluated = classifier.evaluate(eval_data, steps=eval_steps, verbose=0, return_dict=True,

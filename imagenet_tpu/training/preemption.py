@@ -34,7 +34,11 @@ EXIT_STATUS = 128 + signal.SIGTERM
 
 _requested = threading.Event()
 _lock = threading.Lock()
-_state = {'listening': False, 'watching': 0, 'grace': 0.0, 'what': '', 'deadline': None}
+_state = {'listening': False, 'watching': 0, 'grace': 0.0, 'what': '', 'deadline': None, 'saving': 0,
+          'host_call': 0.0}
+# The deadline waits at least this many of the last host call's duration: Keras runs callbacks (and so the save
+# on SIGTERM) only between host calls, which last steps_per_execution steps (tf_keras training.py 1436-1441).
+HOST_CALLS_OF_GRACE = 1.5
 
 
 def requested() -> bool:
@@ -49,6 +53,34 @@ def set_grace(seconds: float, what: str) -> None:
         _state['grace'], _state['what'] = float(seconds), what
 
 
+def note_host_call(seconds: float) -> None:
+    """The last host call (steps_per_execution training steps) took ``seconds``: SIGTERM's deadline is at least
+    HOST_CALLS_OF_GRACE of it, so a call under way when the signal arrives can end and be saved."""
+    with _lock:
+        _state['host_call'] = max(0.0, float(seconds))
+
+
+@contextlib.contextmanager
+def saving():
+    """Within the block a checkpoint is being written: SIGTERM's deadline does not cut it short (it waits for
+    the block to end), so the save a SIGTERM asked for, or one already under way, completes."""
+    with _lock:
+        _state['saving'] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state['saving'] -= 1
+
+
+def effective_grace() -> float:
+    """Seconds after SIGTERM before the process is ended: the grace set, or HOST_CALLS_OF_GRACE of the last
+    host call if longer (0 stays 0: nothing to wait for before training starts)."""
+    with _lock:
+        grace, host_call = _state['grace'], _state['host_call']
+    return grace if grace <= 0 else max(grace, HOST_CALLS_OF_GRACE * host_call)
+
+
 def active() -> bool:
     """Whether SIGTERM is being watched for (listen, or inside during_training)."""
     return _state['listening'] or _state['watching'] > 0
@@ -57,20 +89,22 @@ def active() -> bool:
 def _exit_line(grace: float, what: str) -> str:
     if grace <= 0:
         return f'error: stopped by SIGTERM{f" ({what})" if what else ""}\n'
-    return (f'error: SIGTERM: {what} did not stop within {grace:g} s (--termination_grace_seconds; a stalled '
-            'input or a peer that does not answer); exiting without saving: the checkpoints written so far are '
-            'intact\n')
+    return (f'error: SIGTERM: {what} did not stop within {grace:g} s (--termination_grace_seconds, or 1.5 host '
+            'calls if longer; a stalled input or a peer that does not answer); exiting without saving: the '
+            'checkpoints written so far are intact\n')
 
 
 def _deadline() -> None:
-    """Exits the process once the grace period after SIGTERM has passed."""
+    """Exits the process once the grace period after SIGTERM has passed (effective_grace) and no checkpoint is
+    being written."""
     started = time.monotonic()
     while True:
+        grace = effective_grace()
         with _lock:
-            grace, what = _state['grace'], _state['what']
-        if time.monotonic() - started >= grace:
+            what, busy = _state['what'], _state['saving'] > 0
+        if time.monotonic() - started >= grace and not busy:
             break
-        time.sleep(min(0.2, max(0.0, grace - (time.monotonic() - started))))
+        time.sleep(min(0.2, max(0.01, grace - (time.monotonic() - started))))
     os.write(2, _exit_line(grace, what).encode())
     os._exit(EXIT_STATUS)  # pylint: disable=protected-access  (the main thread may be stuck in TensorFlow)
 

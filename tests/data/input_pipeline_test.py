@@ -2,6 +2,8 @@
 
 import dataclasses
 import os
+import tempfile
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -246,3 +248,58 @@ class InputPipelineTest(tf.test.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+class EvaluationShardingTest(tf.test.TestCase):
+    """On a pod each host reads only its share of the validation files, and every image is evaluated once."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.data_dir = tempfile.mkdtemp(dir=tf.compat.v1.test.get_temp_dir())
+        cls.written = helpers.write_dataset(cls.data_dir, num_train=8, num_validation=37, train_shards=1,
+                                            validation_shards=8)
+
+    def test_file_shares_balance_records_and_cover_every_file_once(self):
+        shares = eval_input.file_shares([5, 5, 4, 4, 4, 4, 4, 4], 4)
+        self.assertEqual(sorted(index for share in shares for index in share), list(range(8)))
+        self.assertEqual([sum([5, 5, 4, 4, 4, 4, 4, 4][i] for i in share) for share in shares], [9, 9, 8, 8])
+        self.assertEqual(eval_input.file_shares([1, 100, 1], 2), [[1], [0, 2]])
+
+    def test_four_hosts_read_a_quarter_of_the_bytes_each_and_see_every_image_once(self):
+        config = _config(self.data_dir, num_eval_images=37, eval_batch_size=8)
+        paths = record_io.list_shards(self.data_dir, tfrecord.VALIDATION)
+        total_bytes = sum(os.path.getsize(path) for path in paths)
+        seen, read_bytes = [], []
+        for host in range(4):
+            context = tf.distribute.InputContext(num_input_pipelines=4, input_pipeline_id=host,
+                                                 num_replicas_in_sync=4)
+            opened = []
+            original = record_io.read_records
+
+            def reading(files, *args, **kwargs):
+                opened.extend(files)     # what this host's pipeline reads
+                return original(files, *args, **kwargs)
+
+            with mock.patch.object(record_io, 'read_records', reading):
+                batches = list(eval_input.eval_dataset(config, context))
+            read_bytes.append(sum(os.path.getsize(path) for path in opened))
+            self.assertLen(batches, eval_input.eval_steps(config, 4))     # 1 replica per host
+            for images, labels_, weights in batches:
+                seen += [(round(float(np.sum(image)), 2), int(label))
+                         for image, label, weight in zip(images.numpy(), labels_.numpy(), weights.numpy()) if weight]
+        # 37 images in 8 files of 4-5: each host reads 2 files, 9 or 10 images, ~1/4 of the bytes.
+        for share in read_bytes:
+            self.assertBetween(share / total_bytes, 0.2, 0.3)
+        self.assertEqual(sum(read_bytes), total_bytes)
+        self.assertLen(seen, 37)
+        expected = sorted((round(float(np.sum(preprocessing.preprocess_for_eval(
+            tf.io.encode_jpeg(image, quality=95), 16))), 2), int(label) - 1)
+            for image, label in zip(*self.written['validation']))
+        self.assertAllClose(sorted(seen), expected, atol=0.05)
+        self.assertEqual(eval_input.eval_steps(config, 4), 5)   # the largest share, 10 images, 2 per step
+
+    def test_fewer_files_than_hosts_shares_by_record(self):
+        config = _config(self.data_dir, num_eval_images=37, eval_batch_size=16)
+        self.assertIsNone(eval_input.validation_split(config, 16).shares)
+        self.assertEqual(eval_input.eval_steps(config, 16), config.eval_steps_for(16))

@@ -33,10 +33,12 @@ from imagenet_tpu.training import checkpoints
 from imagenet_tpu.data import tfrecord
 
 REPO = helpers.REPO
+TIMEOUT = 300
 RUN = helpers.small_run_flags(global_batch_size=8, eval_batch_size=8, strategy='multi_worker',
                               cpu_devices_per_worker=2, bn_group_size=4, checkpoint_every_steps=4, seed=1,
-                              log_every_steps=1, eval_every_epochs=100, deterministic=True)
-TIMEOUT = 300
+                              log_every_steps=1, eval_every_epochs=100, deterministic=True,
+                              # the verdicts below must not hang on a deadline a loaded machine misses
+                              termination_grace_seconds=TIMEOUT - 60)
 
 
 def launcher(data_dir, model_dir, steps):

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from unittest import mock
 
 import pytest
@@ -62,6 +63,40 @@ class SlurmVariablesTest(tf.test.TestCase):
         self.assertEqual(cluster.slurm_gpus(shared), (4, 2, True))
         self.assertEqual(self.config_of(shared)[1], '2,3')
         self.assertEqual(self.config_of(step(0, 'gpu7', '2', 2, SLURM_GPUS_ON_NODE='4'))[1], '0,1')
+
+    def test_each_task_sees_its_own_gpus_when_tensorflow_first_lists_them(self):
+        # Node GPUs shared by 2 tasks (--gres=gpu:8): what each task's CUDA_VISIBLE_DEVICES is at the moment the
+        # command's start-up first lists TensorFlow's devices, against what TensorFlow's own resolver allocates.
+        probe = textwrap.dedent('''
+            import json, os, sys
+            from imagenet_tpu import runtime
+            seen, importing = [], runtime.import_tensorflow
+
+            def import_tensorflow():     # TensorFlow is imported and lists its devices in here, once
+                seen.append((os.environ.get('CUDA_VISIBLE_DEVICES'), 'tensorflow' in sys.modules))
+                return importing()
+
+            runtime.import_tensorflow = import_tensorflow
+            from imagenet_tpu.commands import common
+            assert seen[0][1] is False, 'TensorFlow was imported before the start-up listed its devices'
+            print(json.dumps(seen[0][0]))
+            ''')
+        for procid in range(4):
+            variables = step(procid, 'gpu[1-2]', '2(x2)', 4, SLURM_GPUS_ON_NODE='8', SLURM_LOCALID=str(procid % 2))
+            environment = {name: value for name, value in helpers.subprocess_environment().items()
+                           if not name.startswith('SLURM_') and name not in ('TF_CONFIG', 'CUDA_VISIBLE_DEVICES')}
+            result = subprocess.run([sys.executable, '-c', probe], env={**environment, **variables},
+                                    capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            first_listed = json.loads(result.stdout.strip().splitlines()[-1])
+            self.assertEqual(first_listed, self.config_of(variables)[1])      # TensorFlow's resolver
+            self.assertEqual(first_listed, '0,1,2,3' if procid % 2 == 0 else '4,5,6,7')
+        # Bound by Slurm (--gpus-per-task) or under a TF_CONFIG cluster: left alone.
+        bound = step(1, 'gpu7', '2', 2, SLURM_GPUS_PER_TASK='2', SLURM_LOCALID='1', CUDA_VISIBLE_DEVICES='0,1')
+        self.assertEqual(cluster.bind_slurm_gpus(dict(bound)), '')
+        given = step(1, 'gpu7', '2', 2, SLURM_GPUS_ON_NODE='4', SLURM_LOCALID='1', TF_CONFIG='{}')
+        self.assertEqual(cluster.bind_slurm_gpus(dict(given)), '')
+        self.assertEqual(cluster.bind_slurm_gpus(dict(given, TF_CONFIG='')), '2,3')
 
     def test_auto_prefers_tf_config_and_slurm_outside_srun_is_one_error(self):
         given = cluster.tf_config(['a:1', 'b:2'], 1)

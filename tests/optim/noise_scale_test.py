@@ -74,6 +74,29 @@ class ClosedFormTest(tf.test.TestCase):
             estimator.update([tf.ones([2])], [tf.ones([2])], 16, 16)
 
 
+    def test_an_overflowed_step_is_left_out(self):
+        # Two steps of finite gradients, one of infinite ones (a mixed_float16 overflow) between them: the
+        # estimates equal those of the two finite steps alone.
+        strategy = helpers.mirrored(2)
+        with strategy.scope():
+            with_overflow, without = noise_scale.GradientNoiseScale(), noise_scale.GradientNoiseScale()
+
+        def step(estimator, scale):
+            context = tf.distribute.get_replica_context()
+            own = tf.cast(context.replica_id_in_sync_group + 1, tf.float32) * tf.ones([3]) * scale
+            return estimator.update([own], [1.5 * tf.ones([3]) * scale], 4, 8)
+
+        for estimator, scales in ((with_overflow, (1.0, float('inf'), 2.0)), (without, (1.0, 2.0))):
+            for scale in scales:
+                result = strategy.experimental_local_results(
+                    strategy.run(tf.function(step), args=(estimator, tf.constant(scale))))[0]
+        self.assertEqual(float(with_overflow.steps.numpy()), 2.0)
+        for name, value in with_overflow.result().items():
+            self.assertAllClose(value, without.result()[name], msg=name)
+            self.assertTrue(np.isfinite(float(value)), name)
+        del result
+
+
 class TrainingStepTest(tf.test.TestCase):
 
     def test_reported_by_the_step_and_training_unchanged(self):
@@ -98,3 +121,6 @@ class TrainingStepTest(tf.test.TestCase):
         with self.assertRaisesRegex(ConfigError, 'needs 2 or more replicas'):
             with helpers.mirrored(1).scope():
                 builders.build_classifier(with_noise)
+        with self.assertRaisesRegex(ConfigError, 'batch norm over groups of replicas couples them'):
+            with helpers.mirrored(2).scope():
+                builders.build_classifier(dataclasses.replace(with_noise, bn_group_size=2))

@@ -14,14 +14,16 @@ import warnings
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras as keras
 
 import helpers
-from imagenet_tpu import deploy
+from imagenet_tpu import builders, deploy
 from imagenet_tpu import evaluate
 from imagenet_tpu import train
 from imagenet_tpu.data import preprocessing
 from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
+from imagenet_tpu.serving import convert
 
 onnxruntime = pytest.importorskip('onnxruntime')
 pytest.importorskip('tf2onnx')
@@ -131,3 +133,35 @@ class ExportCommandTest(tf.test.TestCase):
             self.assertEqual(process.stderr.strip().splitlines()[-1][:7], 'error: ')
             self.assertIn(message, process.stderr)
             self.assertNotIn('Traceback', process.stderr)
+
+
+class BfloatExportTest(tf.test.TestCase):
+    """A run trained in mixed_bfloat16 (every TPU recipe) exports a float32 twin: TensorFlow Lite and ONNX
+    convert it, and all formats compute the trained network's function."""
+
+    def test_a_bfloat16_network_exports_to_every_format(self):
+        config = helpers.tiny_config(norm='batch_norm', num_classes=4, image_size=IMAGE_SIZE,
+                                     precision='mixed_bfloat16')
+        keras.utils.set_random_seed(3)
+        network = builders.build_network(config)
+        self.assertEqual(network.get_layer('stem_conv').compute_dtype, 'bfloat16')
+        twin = builders.build_export_network(config, network)
+        self.assertEqual({layer.compute_dtype for layer in twin.layers} - {None}, {'float32'})
+        pixels = np.random.default_rng(0).uniform(0, 255, [4, IMAGE_SIZE, IMAGE_SIZE, 3]).astype(np.float32)
+        reference = twin(pixels, training=False).numpy()
+        trained = network(tf.cast(pixels, tf.bfloat16), training=False).numpy()
+        # The same function: bfloat16 keeps 8 bits of mantissa, so the two differ by its rounding only.
+        self.assertAllClose(trained, reference, atol=0.05 * np.abs(reference).max() + 1e-3)
+        function = convert.logits_function(twin, IMAGE_SIZE)
+        root = tempfile.mkdtemp(dir=tf.compat.v1.test.get_temp_dir())
+        for kind in convert.FORMATS:
+            path = os.path.join(root, convert.FILE_NAMES[kind])
+            if kind == 'onnx':
+                convert.to_onnx(function, path)
+            else:
+                representative = (lambda: ([pixels[i:i + 1]] for i in range(4))) if kind == 'tflite_int8' else None
+                with open(path, 'wb') as f:
+                    f.write(convert.to_tflite(function, twin, representative))
+            logits = convert.load(kind, path)(pixels)
+            tolerance = 0.2 if kind == 'tflite_int8' else 1e-4
+            self.assertAllClose(logits, reference, atol=tolerance * np.abs(reference).max() + 1e-4, msg=kind)
