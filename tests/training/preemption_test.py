@@ -41,7 +41,7 @@ class PreemptionTest(tf.test.TestCase):
     def test_a_save_under_way_completes_before_the_deadline_ends_the_process(self):
         # The grace (0.2 s) passes while the "save" (a 1.5 s block) runs: the process must not be ended in it.
         # The verdict does not depend on the machine's speed: the deadline may only fire after the block.
-        result = _run(f'''
+        result = _run('''
             import os, signal, time
             from imagenet_tpu.training import preemption
             preemption.listen()
