@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast peer benchmark-trainer clean
+.PHONY: demo test test-fast test-faults peer benchmark-trainer clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(STAMP)
 # The fast tier: every module, without the tests marked slow (real training processes, 8-replica traces).
 test-fast: $(STAMP)
 	$(PYTEST) -m 'not slow' tests
+
+# The fault tier: careless, scripted and hostile use of a run (tests marked faults; part of `make test` too).
+test-faults: $(STAMP)
+	$(PYTEST) -m faults tests
 
 # tf-models-official, our peer in benchmarks, in an environment of its own (it pins other versions: BUILD.md).
 PEER := .venv-peer

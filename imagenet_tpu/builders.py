@@ -11,17 +11,18 @@ from typing import Optional
 import tensorflow as tf
 import tf_keras as keras
 
+from imagenet_tpu import files
 from imagenet_tpu.config import Config
 from imagenet_tpu.data import data_service, eval_input, input_pipeline, record_io, tfrecord
 from imagenet_tpu.data.record_io import SkipCounts
 from imagenet_tpu.distribute import collectives
 from imagenet_tpu.distribute import strategy as strategy_lib
-from imagenet_tpu.errors import ConfigError
+from imagenet_tpu.errors import ConfigError, summarize_graph_error
 from imagenet_tpu.model import batch_norm, resnet
 from imagenet_tpu.model import classifier as classifier_lib
 from imagenet_tpu.optim import lars, noise_scale, regularization, rmsprop_warmup, schedules, sgd
 from imagenet_tpu.training import callbacks as callbacks_lib
-from imagenet_tpu.training import checkpoints
+from imagenet_tpu.training import checkpoints, sigterm_saves
 
 
 def prepare_process(config: Config) -> None:
@@ -261,11 +262,18 @@ def build_train_dataset(config: Config, strategy: tf.distribute.Strategy, start_
         data_service.check_reachable(config.data_service)
         print(f'training input from the tf.data service at {config.data_service} ({config.data_service_mode})',
               flush=True)
-        return strategy.distribute_datasets_from_function(
-            lambda context: data_service.train_dataset(config, context, start_step), _input_options(config))
+        try:
+            return strategy.distribute_datasets_from_function(
+                lambda context: data_service.train_dataset(config, context, start_step), _input_options(config))
+        except tf.errors.OpError as error:     # e.g. a worker's port: it answers, but not as a dispatcher
+            raise ConfigError(f'the tf.data service at {config.data_service} did not take the dataset '
+                              f'({type(error).__name__}: {summarize_graph_error(error.message)}); is it the '
+                              "dispatcher's address (not a worker's)?") from None
+    paths = record_io.list_shards(config.data_dir, tfrecord.TRAIN)    # once, for every host's pipeline
+    shards = (paths, record_io.file_sizes(paths))
     return strategy.distribute_datasets_from_function(
         lambda context: input_pipeline.train_dataset(config, context, start_step=start_step,
-                                                     skip_counts=skip_counts), _input_options(config))
+                                                     skip_counts=skip_counts, shards=shards), _input_options(config))
 
 
 def build_eval_dataset(config: Config, strategy: tf.distribute.Strategy,
@@ -301,23 +309,28 @@ def build_datasets(config: Config, strategy: tf.distribute.Strategy, start_step:
 
 def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strategy: tf.distribute.Strategy,
                     manager: Optional[tf.train.CheckpointManager], skip_counts: SkipCounts, train_data,
-                    print_fn=print, on_sigterm: Optional[keras.callbacks.Callback] = None) -> list:
+                    print_fn=print, on_sigterm: Optional[keras.callbacks.Callback] = None,
+                    watchdog: Optional[callbacks_lib.InputWatchdog] = None) -> list:
     """The run's callbacks, in the order they must run: InputWatchdog first (its clock starts before the others'
-    work); Progress and ReportSkips add to the epoch logs, so they come before TensorBoard; StopOnNonFiniteLoss
-    comes before Checkpoints, so a diverged step is never saved."""
-    callbacks = [callbacks_lib.InputWatchdog(60 * config.input_timeout_minutes, describe_input(config))
-                 ] if config.input_timeout_minutes else []
+    work; ``watchdog``: the one build_watchdog made to watch the start-up); Progress and ReportSkips add to the
+    epoch logs, so they come before TensorBoard; StopOnNonFiniteLoss comes before Checkpoints, so a diverged step
+    is never saved."""
+    watchdog = watchdog or build_watchdog(config)
+    callbacks = [watchdog] if watchdog else []
     callbacks += [callbacks_lib.Progress(config.train_steps, config.global_batch_size, config.log_every_steps,
                                          print_fn, config.num_train_images),
-                  callbacks_lib.ReportSkips(skip_counts, print_fn), callbacks_lib.StopOnNonFiniteLoss()]
+                  callbacks_lib.ReportSkips(skip_counts, print_fn),
+                  callbacks_lib.StopOnNonFiniteLoss(nonfinite=checkpoints.nonfinite_variables)]
     if manager is not None:
         callbacks += [checkpoints.Checkpoints(manager, config.checkpoint_every_steps),
-                      on_sigterm or checkpoints.SaveOnSigterm(manager, print_fn, config.termination_grace_seconds)]
+                      on_sigterm or sigterm_saves.SaveOnSigterm(manager, print_fn, config.termination_grace_seconds)]
     if config.norm != 'none':   # evaluation with the statistics a checkpoint and the export hold
         callbacks.append(callbacks_lib.AverageMovingStatistics(classifier.network, strategy))
         if config.bn_inference_statistics == 'reestimate':
             callbacks.append(callbacks_lib.ReestimateBatchNorm(classifier.network, train_data,
                                                                config.bn_reestimate_batches, strategy))
+    if config.model_dir and checkpoints.is_chief(strategy):
+        files.real_directory(os.path.join(config.model_dir, 'logs'))     # a link planted there: removed, not followed
     if config.model_dir and checkpoints.is_chief(strategy) and config.profile_steps:
         callbacks.append(callbacks_lib.ProfileSteps(*config.profile_steps, os.path.join(config.model_dir, 'logs'),
                                                     print_fn))
@@ -325,6 +338,13 @@ def build_callbacks(config: Config, classifier: classifier_lib.Classifier, strat
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(config.model_dir, 'logs'), update_freq='epoch',
                                                      profile_batch=0))
     return callbacks
+
+
+def build_watchdog(config: Config) -> Optional[callbacks_lib.InputWatchdog]:
+    """The run's InputWatchdog (None with --input_timeout_minutes=0)."""
+    if not config.input_timeout_minutes:
+        return None
+    return callbacks_lib.InputWatchdog(60 * config.input_timeout_minutes, describe_input(config))
 
 
 def describe_input(config: Config) -> str:

@@ -8,11 +8,12 @@ reads settings only from here, never from flags. Adding a setting is one line be
 
 import dataclasses
 import json
+import math
 import typing
 from typing import Optional, Tuple
 
 from imagenet_tpu.errors import ConfigError
-from imagenet_tpu.hardware import parse_topology
+from imagenet_tpu.hardware import fewest_hosts, parse_topology
 from imagenet_tpu.parsing import (SERVICE_PROTOCOL, parse_floats, parse_mesh_shape, parse_service_address,
                                   parse_step_range)
 
@@ -241,11 +242,16 @@ class Config:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value, choices, minimum = getattr(self, field.name), field.metadata['choices'], field.metadata['minimum']
+            if any(isinstance(item, float) and not math.isfinite(item)
+                   for item in (value if isinstance(value, tuple) else (value,))):
+                raise ConfigError(f'--{field.name} must be a finite number, got {value}')
             if choices and value not in choices:
                 raise ConfigError(f'unknown {field.name} {value!r}; choose one of '
                                   f'{", ".join(str(choice) for choice in choices)}')
             if minimum is not None and value is not None and value < minimum:
                 raise ConfigError(f'{field.name} must be at least {minimum}, got {value}')
+        if self.total_steps is None and not self.train_epochs > 0:
+            raise ConfigError(f'--train_epochs must be above 0, got {self.train_epochs} (or set --total_steps)')
         if not 0 < self.eval_crop_fraction <= 1:
             raise ConfigError(f'eval_crop_fraction must be in (0, 1], got {self.eval_crop_fraction}')
         if self.data_service:
@@ -270,8 +276,8 @@ class Config:
 
     @property
     def topology_hosts(self) -> int:
-        """Hosts of the --topology hardware (0 when none is set)."""
-        return parse_topology(self.topology).hosts if self.topology else 0
+        """The fewest hosts the --topology hardware can have (hardware.fewest_hosts; 0 when none is set)."""
+        return fewest_hosts(self.topology) if self.topology else 0
 
     def to_json(self) -> str:
         """Every setting as a JSON object (model_dir/config.json: what the evaluation command starts from)."""

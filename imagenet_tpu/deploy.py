@@ -15,7 +15,7 @@ from imagenet_tpu import builders, evaluate
 from imagenet_tpu.config import Config
 from imagenet_tpu.data import eval_input, labels
 from imagenet_tpu.errors import ConfigError
-from imagenet_tpu.files import write_json
+from imagenet_tpu.files import real_directory, write_atomically, write_json
 from imagenet_tpu.serving import convert, export
 from imagenet_tpu.training import run_folder
 
@@ -34,14 +34,17 @@ def export_run(config: Config, which: str = 'latest', formats: Sequence[str] = c
     if len(paths) != 1:
         raise ConfigError(f'--checkpoint={which}: export one checkpoint (latest or a name such as ckpt-500)')
     path = paths[0]
-    run_folder.check_model_settings(config, config.model_dir)
+    run_folder.check_model_settings(config, config.model_dir, resuming=False)
     if 'onnx' in formats:
         try:
             import tf2onnx, onnxruntime  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
         except ImportError:
             raise ConfigError("the ONNX export needs tf2onnx and onnxruntime: pip install 'imagenet-tpu[onnx]' "
                               '(or --formats=tflite,tflite_int8)') from None
-    export_dir = export_dir or os.path.join(config.model_dir, 'export', os.path.basename(path))
+    if not export_dir:      # inside the run folder: links planted there are removed, not followed
+        export_dir = os.path.join(config.model_dir, 'export', os.path.basename(path))
+        real_directory(os.path.dirname(export_dir))
+        real_directory(export_dir)
     tf.io.gfile.makedirs(export_dir)
     evaluator = evaluate.Evaluator(config, strategy)
     evaluator.prepare(path)
@@ -61,9 +64,7 @@ def export_run(config: Config, which: str = 'latest', formats: Sequence[str] = c
             if kind == 'tflite_int8':
                 images = eval_input.calibration_dataset(config, representative_images).batch(1)
                 representative = lambda: ([batch] for batch in images.as_numpy_iterator())   # noqa: E731
-            model = convert.to_tflite(function, network, representative)
-            with tf.io.gfile.GFile(files[kind], 'wb') as f:
-                f.write(model)
+            write_atomically(files[kind], convert.to_tflite(function, network, representative))
         print_fn(f'wrote {files[kind]} ({size_mib(files[kind]):.1f} MiB, {time.perf_counter() - started:.1f} s)')
     result = {'checkpoint': os.path.basename(path), 'step': evaluate.checkpoint_step(path),
               'files': {kind: {'path': file, 'mib': round(size_mib(file), 2)} for kind, file in files.items()}}

@@ -26,6 +26,10 @@ class CheckpointError(RunError):
     """model_dir holds checkpoints that cannot be resumed: none readable, or of a different model."""
 
 
+class OutputError(RunError):
+    """A result could not be written (a full disk, a read-only folder); nothing partial is left behind."""
+
+
 class TrainingDiverged(RunError):
     """The training loss became NaN or infinite."""
 
@@ -36,6 +40,11 @@ class StepError(RunError):
 
 class InputEnded(RunError):
     """The training stream, which is endless, ended before the last step of a fit call."""
+
+
+class HostLost(RunError):
+    """A host of a multi-host run stopped answering (its process died, its VM was preempted or rebooted): the
+    collectives of the others fail; running the same command again on every host resumes from the checkpoint."""
 
 
 class Preempted(RunError):

@@ -9,6 +9,7 @@ summary.json.
 """
 
 import csv
+import io
 import json
 import os
 import re
@@ -23,7 +24,7 @@ from imagenet_tpu import config as config_lib
 from imagenet_tpu.config import Config
 from imagenet_tpu.data import eval_input, labels
 from imagenet_tpu.distribute import strategy as strategy_lib
-from imagenet_tpu.errors import CheckpointError
+from imagenet_tpu.errors import CheckpointError, OutputError
 from imagenet_tpu.model import batch_norm
 from imagenet_tpu.training import callbacks, checkpoints, run_folder
 
@@ -99,6 +100,24 @@ def checkpoint_step(path: str) -> int:
     return int(found.group(1)) if found else -1
 
 
+def batch_figures(logits: np.ndarray, labels: np.ndarray, label_smoothing: float = 0.0):
+    """(loss, top-1 hit, top-5 hit) of each image of a batch: ``logits`` [images, classes], ``labels`` [images].
+
+    The loss is the cross-entropy with the smoothed targets (1 - s) one_hot + s / classes, computed without
+    building them: (1 - s) log p[label] + s / classes * sum log p (one-hot rows would be 74.5 GiB a batch of 1,024
+    at 100,000 classes). Top-1: the first largest logit is the label's. Top-5: fewer than 5 classes score higher
+    than the label (tf.math.in_top_k's rule, Keras's top-5 metric)."""
+    logits = logits.astype(np.float64)
+    rows = np.arange(len(labels))
+    log_probabilities = logits - logits.max(1, keepdims=True)
+    log_probabilities -= np.log(np.exp(log_probabilities).sum(1, keepdims=True))
+    classes = logits.shape[1]
+    losses = -((1 - label_smoothing) * log_probabilities[rows, labels]
+               + label_smoothing / classes * log_probabilities.sum(1))
+    own = logits[rows, labels]
+    return losses, np.argmax(logits, axis=1) == labels, (logits > own[:, None]).sum(1) < 5
+
+
 class Evaluator:
     """A run's network under its strategy, restoring checkpoints and evaluating each on the validation set."""
 
@@ -159,15 +178,12 @@ class Evaluator:
         for _ in range(steps):
             logits, labels_, weights = (value.numpy() for value in self._step_fn(next(iterator)))
             keep = weights > 0
-            logits, labels_ = logits[keep].astype(np.float64), labels_[keep]
-            log_probabilities = logits - logits.max(1, keepdims=True)
-            log_probabilities -= np.log(np.exp(log_probabilities).sum(1, keepdims=True))
-            targets = np.eye(classes)[labels_] * (1 - config.label_smoothing) + config.label_smoothing / classes
-            loss_sum += float(-(targets * log_probabilities).sum())
-            ranked = np.argsort(-logits, axis=1, kind='stable')
+            logits, labels_ = logits[keep], labels_[keep]
+            losses, hits, in_top_5 = batch_figures(logits, labels_, config.label_smoothing)
+            loss_sum += float(losses.sum())
             np.add.at(counts, labels_, 1)
-            np.add.at(correct, labels_, ranked[:, 0] == labels_)
-            top_5 += float(np.sum(ranked[:, :5] == labels_[:, None]))
+            np.add.at(correct, labels_, hits)
+            top_5 += float(in_top_5.sum())
         images = int(counts.sum())
         return {'checkpoint': os.path.basename(path), 'step': checkpoint_step(path), 'images': images,
                 'top_1': float(correct.sum() / max(images, 1)), 'top_5': top_5 / max(images, 1),
@@ -179,17 +195,22 @@ class Evaluator:
 
 
 def write_results(model_dir: str, result: dict) -> str:
-    """RUN/eval/CKPT.json and CKPT_per_class.csv; returns the folder."""
+    """RUN/eval/CKPT.json and CKPT_per_class.csv, each written atomically (a link there is replaced, not written
+    through; a link at RUN/eval is removed, not followed); returns the folder."""
     folder = os.path.join(model_dir, 'eval')
-    tf.io.gfile.makedirs(folder)
+    try:
+        files.real_directory(folder)
+    except (tf.errors.OpError, OSError) as error:
+        raise OutputError(f'cannot make {folder} ({files.describe_os_error(error)})') from None
     name = result['checkpoint']
-    with tf.io.gfile.GFile(os.path.join(folder, f'{name}.json'), 'w') as f:
-        json.dump({key: value for key, value in result.items() if key != 'per_class'}, f, indent=2)
-    with tf.io.gfile.GFile(os.path.join(folder, f'{name}_per_class.csv'), 'w') as f:
-        writer = csv.writer(f)
-        writer.writerow(['class', 'id', 'name', 'images', 'top_1'])
-        for row in result['per_class']:
-            writer.writerow([row['class'], row['id'], row['name'], row['images'], f'{row["top_1"]:.6f}'])
+    files.write_json(os.path.join(folder, f'{name}.json'),
+                     {key: value for key, value in result.items() if key != 'per_class'})
+    table = io.StringIO()
+    writer = csv.writer(table)
+    writer.writerow(['class', 'id', 'name', 'images', 'top_1'])
+    for row in result['per_class']:
+        writer.writerow([row['class'], row['id'], row['name'], row['images'], f'{row["top_1"]:.6f}'])
+    files.write_atomically(os.path.join(folder, f'{name}_per_class.csv'), table.getvalue())
     return folder
 
 
@@ -207,30 +228,31 @@ def plot(results: List[dict], path: str) -> None:
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    with tf.io.gfile.GFile(path, 'wb') as f:
-        figure.savefig(f, format='png', dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format='png', dpi=100)
     pyplot.close(figure)
+    files.write_atomically(path, image.getvalue())
 
 
 def evaluate_run(config: Config, which: str = 'latest', strategy: Optional[tf.distribute.Strategy] = None,
                  print_fn=print) -> List[dict]:
     """Evaluates the checkpoints ``which`` names of config.model_dir; writes and returns their results."""
     paths = select_checkpoints(config.model_dir, which)
-    run_folder.check_model_settings(config, config.model_dir)
+    run_folder.check_model_settings(config, config.model_dir, resuming=False)
     evaluator = Evaluator(config, strategy)
     results = []
     for path in paths:
         result = evaluator.evaluate(path)
-        folder = write_results(config.model_dir, result)
+        # The figures first: a write that fails below still leaves them on the screen.
         print_fn(f'{result["checkpoint"]} (step {result["step"]}): top-1 {100 * result["top_1"]:.2f}% top-5 '
                  f'{100 * result["top_5"]:.2f}% loss {result["loss"]:.4f} on {result["images"]} images')
         if result['images'] != config.num_eval_images:
             print_fn(f'warning: evaluated {result["images"]} images but --num_eval_images={config.num_eval_images}')
+        folder = write_results(config.model_dir, result)
         results.append(result)
     if len(results) > 1:
         plot(results, os.path.join(folder, 'accuracy.png'))
-        with tf.io.gfile.GFile(os.path.join(folder, 'summary.json'), 'w') as f:
-            json.dump([{key: value for key, value in result.items() if key != 'per_class'} for result in results],
-                      f, indent=2)
+        files.write_json(os.path.join(folder, 'summary.json'),
+                         [{key: value for key, value in result.items() if key != 'per_class'} for result in results])
         print_fn(f'wrote {os.path.join(folder, "accuracy.png")}')
     return results

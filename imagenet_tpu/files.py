@@ -9,18 +9,33 @@ it: the data converter's main process and the commands' SIGTERM set-up import th
 """
 
 import errno
+import fnmatch
 import json
 import math
 import os
 import shutil
 import stat
 
-from imagenet_tpu.errors import CheckpointError
+from imagenet_tpu.errors import CheckpointError, OutputError
 
 
 def is_local(path: str) -> bool:
     """Whether ``path`` is on this machine's file system (not gs://... or another remote scheme)."""
     return '://' not in path
+
+
+def matching(pattern: str) -> list:
+    """The paths in ``pattern``'s folder whose names match its last part (``*`` and ``?``), sorted. Only the name
+    is a pattern: the folder is taken as written, so a folder named set[1] is that folder, where
+    tf.io.gfile.glob would read it as a pattern and list set1's files instead."""
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel  (module docstring)
+    folder, name = os.path.split(pattern)
+    try:
+        names = tf.io.gfile.listdir(folder or '.')
+    except (tf.errors.NotFoundError, tf.errors.FailedPreconditionError, NotADirectoryError, FileNotFoundError):
+        return []
+    return sorted(os.path.join(folder, entry.rstrip('/')) for entry in names
+                  if fnmatch.fnmatchcase(entry.rstrip('/'), name))
 
 
 def describe_os_error(error: BaseException) -> str:
@@ -100,12 +115,23 @@ def finite_or_none(value):
 
 
 def write_json(path: str, value) -> None:
-    """Writes ``value`` as JSON (NaN and infinities as null: valid JSON) under a temporary name in the same folder,
-    then renames it over ``path``: a reader never sees half a file, and a link at ``path`` is replaced, not written
-    through."""
+    """Writes ``value`` as JSON (NaN and infinities as null: valid JSON) atomically (write_atomically)."""
+    write_atomically(path, json.dumps(finite_or_none(value), indent=2, allow_nan=False))
+
+
+def write_atomically(path: str, data) -> None:
+    """Writes ``data`` (str or bytes) under a temporary name in the same folder, then renames it over ``path``: a
+    reader never sees half a file, and a link at ``path`` is replaced, not written through. A write that fails (a
+    full disk, a read-only folder) is an OutputError naming the path and the reason, and leaves no file behind."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel  (module docstring)
-    text = json.dumps(finite_or_none(value), indent=2, allow_nan=False)
     temporary = os.path.join(os.path.dirname(path), f'.{os.path.basename(path)}.tmp-{os.getpid()}')
-    with tf.io.gfile.GFile(temporary, 'w') as f:
-        f.write(text)
-    tf.io.gfile.rename(temporary, path, overwrite=True)
+    try:
+        with tf.io.gfile.GFile(temporary, 'wb' if isinstance(data, bytes) else 'w') as f:
+            f.write(data)
+        tf.io.gfile.rename(temporary, path, overwrite=True)
+    except (tf.errors.OpError, OSError) as error:
+        try:
+            remove_tree(temporary)
+        except (tf.errors.OpError, OSError):
+            pass
+        raise OutputError(f'cannot write {path} ({describe_os_error(error)})') from None

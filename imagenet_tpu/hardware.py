@@ -83,6 +83,16 @@ def tpu_slice(name: str) -> Tuple[str, int, int]:
     return generation, chips, hosts
 
 
+def fewest_hosts(name: str) -> int:
+    """The fewest hosts the slice or cluster ``name`` can have: what a run checks the hosts it sees against. v5e and
+    v6e slices of more than 8 chips come in hosts of 4 chips or of 8 (Cloud TPU's machine types list both), so
+    such a slice may show half the hosts tpu_slice plans for."""
+    topology = parse_topology(name)
+    if topology.kind == 'tpu' and TPU_GENERATIONS[topology.chip][0] == 'chips' and topology.chips > 8:
+        return -(-topology.chips // 8)
+    return topology.hosts
+
+
 def parse_topology(name: str) -> Topology:
     """A TPU slice ('v3-1024'), GPUs ('8xH100': one host; '32x8xA100': 32 hosts of 8), or logical CPU devices
     ('cpu': one; '4xcpu', '2x2xcpu': 2 hosts of 2). ConfigError for anything else."""

@@ -19,7 +19,7 @@ from imagenet_tpu.data.record_io import SkipCounts
 from imagenet_tpu.distribute import strategy as strategy_lib
 from imagenet_tpu.serving import export
 from imagenet_tpu.training import callbacks as callbacks_lib
-from imagenet_tpu.training import checkpoints, loop, preemption, run_folder
+from imagenet_tpu.training import checkpoints, loop, preemption, run_folder, sigterm_saves
 
 
 def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy] = None, print_fn=print) -> dict:
@@ -47,7 +47,9 @@ def train_and_evaluate(config: Config, strategy: Optional[tf.distribute.Strategy
 def _train_and_evaluate(config: Config, strategy: tf.distribute.Strategy, chief: bool, started: float,
                         print_fn) -> dict:
     builders.check_replicas(config, strategy.num_replicas_in_sync)
-    strategy_lib.check_mesh(strategy, config.mesh_shape, config.cores_per_chip)
+    grouped = config.norm != 'none' and config.bn_group_size_for(strategy.num_replicas_in_sync) > 1
+    strategy_lib.check_mesh(strategy, config.mesh_shape, config.cores_per_chip,
+                            uses_replica_order=grouped or config.allreduce == '2d')
     with strategy.scope():
         classifier = builders.build_classifier(config)
 
@@ -56,20 +58,28 @@ def _train_and_evaluate(config: Config, strategy: tf.distribute.Strategy, chief:
     manager = on_sigterm = None
     if config.model_dir:
         manager = checkpoints.checkpoint_manager(classifier, config.model_dir, strategy)
-        on_sigterm = (checkpoints.SaveOnPreemptionAcrossWorkers(manager, strategy, print_fn)
-                      if checkpoints.uses_cluster(strategy)
-                      else checkpoints.SaveOnSigterm(manager, print_fn, config.termination_grace_seconds))
+        on_sigterm = (sigterm_saves.SaveOnPreemptionAcrossWorkers(manager, strategy, print_fn)
+                      if sigterm_saves.uses_cluster(strategy)
+                      else sigterm_saves.SaveOnSigterm(manager, print_fn, config.termination_grace_seconds))
         restored = checkpoints.restore_latest(manager, print_fn, os.path.join(config.model_dir, 'checkpoints'))
         if restored:
             print_fn(f'resumed from {restored} at step {loop.current_step(classifier)}')
     start_step = loop.current_step(classifier)
 
     skip_counts = SkipCounts()
-    train_data, eval_data = builders.build_datasets(config, strategy, start_step, skip_counts)
+    watchdog = builders.build_watchdog(config)
+    if watchdog:
+        watchdog.start()      # the input's start-up can hang too (a hung mount, a FIFO among the shards)
+    try:
+        train_data, eval_data = builders.build_datasets(config, strategy, start_step, skip_counts)
+    except BaseException:
+        if watchdog:
+            watchdog.close()
+        raise
     if config.model_dir and chief:
         run_folder.record_run(config)     # only now: the data has been checked
     callbacks = builders.build_callbacks(config, classifier, strategy, manager, skip_counts, train_data, print_fn,
-                                         on_sigterm)
+                                         on_sigterm, watchdog)
     print_fn(f'{config.depth}-layer ResNet, {strategy.num_replicas_in_sync} replicas '
              f'({type(strategy).__name__}), global batch {config.global_batch_size}, '
              f'{config.steps_per_epoch} steps/epoch, {config.train_steps} steps')
@@ -78,9 +88,17 @@ def _train_and_evaluate(config: Config, strategy: tf.distribute.Strategy, chief:
 
     # Each model.fit call after the first continues the stream where the last one stopped.
     train_data_from = functools.partial(_train_stream, config, strategy, start_step, train_data, skip_counts)
+    results_path = os.path.join(config.model_dir, 'results.json') if config.model_dir and chief else None
     try:
         with loop.input_errors():
             results = loop.fit(config, classifier, strategy, train_data_from, eval_data, callbacks)
+            if results_path and results['steps'] > start_step:
+                # The training figures now: a run stopped in its final evaluation, run again, finds them.
+                files.write_json(results_path, {**run_folder.training_figures(results_path),
+                                                **{name: results[name] for name in run_folder.TRAINING_FIGURES
+                                                   if name in results},
+                                                'wall_seconds': time.perf_counter() - started,
+                                                'steps': results['steps']})
             validated = results.pop('final_validation', None)
             if validated is not None:      # the last epoch's validation evaluated the final weights
                 results.update(loop.report_evaluation(config, classifier, validated, print_fn))
@@ -101,11 +119,10 @@ def _train_and_evaluate(config: Config, strategy: tf.distribute.Strategy, chief:
                                   **builders.export_settings(config))
         print_fn(f'exported {path}')
     results['wall_seconds'] = time.perf_counter() - started
-    if config.model_dir and chief:
-        path = os.path.join(config.model_dir, 'results.json')
+    if results_path:
         if results['steps'] == start_step:     # nothing trained: keep the training figures of the run that did
-            results = {**run_folder.training_figures(path), **run_folder.results_without_training(results)}
-        files.write_json(path, results)
+            results = {**run_folder.training_figures(results_path), **run_folder.results_without_training(results)}
+        files.write_json(results_path, results)
     return results
 
 

@@ -12,12 +12,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tracemalloc
 
 from absl import flags
 from absl import logging as absl_logging
 from absl.testing import flagsaver
 import numpy as np
+import pytest
 import tensorflow as tf
+import tf_keras as keras
 
 import helpers
 from imagenet_tpu import errors
@@ -194,3 +197,30 @@ class EvaluateTest(tf.test.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+@pytest.mark.faults
+class BatchFiguresTest(tf.test.TestCase):
+    """The evaluation command's per-image figures against Keras's loss and TensorFlow's in_top_k, and at a class
+    count whose one-hot targets would not fit in memory."""
+
+    def test_against_keras_and_in_top_k(self):
+        rng = np.random.default_rng(4)
+        logits = rng.normal(size=(32, 50)).astype(np.float32)
+        labels = rng.integers(0, 50, size=32)
+        losses, top_1, top_5 = evaluate.batch_figures(logits, labels, 0.1)
+        reference = keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=0.1, reduction="none")(
+            tf.one_hot(labels, 50), logits)
+        self.assertAllClose(losses, reference, atol=1e-5)
+        self.assertAllEqual(top_1, tf.math.in_top_k(labels, logits, 1))
+        self.assertAllEqual(top_5, tf.math.in_top_k(labels, logits, 5))
+
+    def test_a_hundred_thousand_classes_in_little_memory(self):
+        logits = np.random.default_rng(5).normal(size=(64, 100_000)).astype(np.float32)
+        labels = np.arange(64) * 1000
+        tracemalloc.start()
+        losses, _, _ = evaluate.batch_figures(logits, labels, 0.1)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        self.assertLess(peak, 10 * logits.nbytes)     # one-hot targets alone: 2 x 64 x 100,000 x 8 bytes more
+        self.assertTrue(np.all(np.isfinite(losses)))

@@ -9,7 +9,8 @@ from imagenet_tpu.plan import planner
 
 
 def _every_topology():
-    names = [f'{generation}-{8 if unit == "cores" else 4}' for generation, (unit, _) in hardware.TPU_GENERATIONS.items()]
+    names = [f'{generation}-{8 if unit == "cores" else 4}'
+             for generation, (unit, _) in hardware.TPU_GENERATIONS.items()]
     return names + [f'8x{model}' for model in hardware.GPU_MODELS]
 
 
@@ -39,3 +40,15 @@ class HardwareTest(tf.test.TestCase, parameterized.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+class HostsTest(tf.test.TestCase):
+
+    def test_v5e_and_v6e_slices_may_come_in_hosts_of_8_chips(self):
+        # v6e-256: planned as 64 hosts of 4 chips; 32 hosts of 8 chips is the same slice and must not be refused.
+        self.assertEqual(hardware.parse_topology('v6e-256').hosts, 64)
+        self.assertEqual(hardware.fewest_hosts('v6e-256'), 32)
+        self.assertEqual(Config(topology='v5litepod-64', strategy='tpu', tpu='pod').topology_hosts, 8)
+        self.assertEqual(hardware.fewest_hosts('v6e-8'), 1)
+        self.assertEqual(hardware.fewest_hosts('v3-1024'), hardware.parse_topology('v3-1024').hosts)   # 4 chips a host
+        self.assertEqual(hardware.fewest_hosts('4x8xA100'), 4)

@@ -4,6 +4,7 @@ it settles the environment before TensorFlow starts."""
 
 import dataclasses
 import os
+import stat
 import sys
 import textwrap
 import typing
@@ -21,6 +22,7 @@ from absl import app, flags, logging  # noqa: E402
 from imagenet_tpu import config as config_lib  # noqa: E402
 from imagenet_tpu import errors  # noqa: E402
 from imagenet_tpu.config import Config  # noqa: E402
+from imagenet_tpu.training import preemption  # noqa: E402
 
 # Exit status per kind of failure (errors.py); the first class the error is an instance of wins.
 EXIT_STATUS = (
@@ -120,6 +122,8 @@ def fail(message: str, status: int = 2) -> None:
 
 
 def exit_status(error: errors.RunError) -> int:
+    if isinstance(error, errors.Preempted):
+        return preemption.exit_status()      # 143 after SIGTERM, 130 after Ctrl-C
     return next(status for kind, status in EXIT_STATUS if isinstance(error, kind))
 
 
@@ -194,4 +198,28 @@ def run_with_help(main, doc: str, argv=None, command_flags: Sequence[str] = (), 
         sys.stdout.write(usage(doc, command_flags, training_flags))
         sys.exit(0)
     argv = argv[:1] + expand_recipes(argv[1:]) if training_flags else argv
+    check_flagfiles(argv[1:])
     app.run(main, argv, flags_parser=parse_flags)
+
+
+FLAGFILE_MAX_BYTES = 1 << 20     # a recipe is a few KB; absl would read /dev/zero or a FIFO without end
+
+
+def check_flagfiles(argv: Sequence[str]) -> None:
+    """One error line for a --flagfile that is not a regular file of at most FLAGFILE_MAX_BYTES (absl reads the
+    file line by line without a bound: --flagfile=/dev/zero read 6.6 GB in 16 s)."""
+    arguments = list(argv)
+    while arguments:
+        argument = arguments.pop(0)
+        if argument in ('--flagfile', '-flagfile') and arguments:
+            argument = f'--flagfile={arguments.pop(0)}'
+        if not argument.startswith(('--flagfile=', '-flagfile=')):
+            continue
+        path = argument.split('=', 1)[1]
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue        # absl says it cannot read it (parse_flags)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > FLAGFILE_MAX_BYTES:
+            fail(f'--flagfile={path} is not a flag file: a regular file of at most {FLAGFILE_MAX_BYTES >> 20} MiB '
+                 'is expected')

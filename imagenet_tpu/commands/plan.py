@@ -72,11 +72,11 @@ def main(argv):
     try:
         config = common.config_from_flags()
         result = planner.plan(config, _TO_ACCURACY.value)
+        print(json.dumps(result, indent=2) if _JSON.value else describe(result), flush=True)   # before any write
         if _SCALING.value:
             scaling.draw(config, _SCALING.value, _TO_ACCURACY.value)
     except RunError as error:
         common.fail(str(error), common.exit_status(error))
-    print(json.dumps(result, indent=2) if _JSON.value else describe(result))
     if _SCALING.value:
         print(f'wrote {_SCALING.value}', file=sys.stderr)
 

@@ -90,7 +90,7 @@ def fold_seed(seed: tf.Tensor, *values) -> tf.Tensor:
 def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] = None,
                   dtype: Optional[tf.DType] = None, start_step: int = 0,
                   skip_counts: Optional[SkipCounts] = None, log: Callable[[str], None] = print,
-                  served: bool = False) -> tf.data.Dataset:
+                  served: bool = False, shards: Optional[Tuple[list, list]] = None) -> tf.data.Dataset:
     """Endless training batches: images [per_replica_batch, size, size, 3] ``dtype`` (default
     image_dtype(config)), labels int32. ``served``: the dataset a tf.data service's workers run
     (service.py): bad records are skipped without counting (the count would stay on the workers) and the
@@ -111,10 +111,17 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
     bad_records='skip', undecodable records are skipped and counted into ``skip_counts``; a resumed stream does
     not know the bad records of the skipped part, so it starts that many records early (those images are seen
     again).
+
+    ``shards``: (every training shard's path, its size) as listed once for all the input pipelines a process
+    builds (builders.build_train_dataset): a TPU client builds one per host, and each would list and stat every
+    shard again, one host after another.
     """
     dtype = dtype or image_dtype(config)
-    paths = pipeline_files(record_io.list_shards(config.data_dir, tfrecord.TRAIN), context)
-    sizes = record_io.file_sizes(paths)
+    if shards is None:
+        paths = pipeline_files(record_io.list_shards(config.data_dir, tfrecord.TRAIN), context)
+        sizes = record_io.file_sizes(paths)
+    else:
+        paths, sizes = pipeline_files(shards[0], context), pipeline_files(shards[1], context)
     bad, truncated = (None, None) if served else (skip_counts or SkipCounts()).new_counters()
     base_seed = pipeline_seed(config, context)
     first_epoch, skip, first_file, file_skip = 0, 0, 0, 0

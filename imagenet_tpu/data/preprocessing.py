@@ -42,8 +42,14 @@ def check_pixels(shape: tf.Tensor) -> tf.Tensor:
 
 def jpeg_shape(encoded: tf.Tensor) -> tf.Tensor:
     """[height, width, channels] (int32) of a JPEG from its header alone (tf.image.extract_jpeg_shape), checked
-    against MAX_IMAGE_PIXELS (check_pixels): every JPEG decode here takes its size, or its window, from this."""
-    return check_pixels(tf.image.extract_jpeg_shape(encoded))
+    against MAX_IMAGE_PIXELS (check_pixels): every JPEG decode here takes its size, or its window, from this.
+
+    Bytes that do not start with a JPEG marker fail first, with 'not a JPEG': libjpeg would print "Not a JPEG
+    file" to stderr for each, thousands of lines over a run of bad records that are skipped and counted anyway."""
+    check = tf.debugging.Assert(tf.io.is_jpeg(encoded), ['not a JPEG: the record\'s image does not start with '
+                                                          'a JPEG marker'])
+    with tf.control_dependencies([check]):
+        return check_pixels(tf.image.extract_jpeg_shape(encoded))
 
 
 def decode_jpeg(encoded: tf.Tensor) -> tf.Tensor:

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from imagenet_tpu.data import tfrecord
-from imagenet_tpu.files import is_local
+from imagenet_tpu.files import is_local, matching
 
 FILE_NAME = 'record_counts.txt'
 HEADER = '# imagenet_tpu record counts: file, records, bytes\n'
@@ -130,7 +130,6 @@ def count_files(paths: List[str], workers: Optional[int] = None) -> List[int]:
 def read(path: str) -> Optional[Dict[str, Tuple[int, int]]]:
     """{file name as written: (records, bytes)} of a counts file; None if it does not exist. A malformed file
     raises ValueError naming the line."""
-    import tensorflow as tf
     if not tf.io.gfile.exists(path):
         return None
     entries = {}
@@ -150,7 +149,6 @@ def read(path: str) -> Optional[Dict[str, Tuple[int, int]]]:
 
 def write(path: str, entries: Dict[str, Tuple[int, int]]) -> None:
     """Writes ``entries`` ({file name: (records, bytes)}) to the counts file ``path`` atomically."""
-    import tensorflow as tf
     lines = [HEADER] + [f'{name}\t{records}\t{size}\n' for name, (records, size) in sorted(entries.items())]
     temporary = f'{path}.tmp-{os.getpid()}'
     with tf.io.gfile.GFile(temporary, 'w') as f:
@@ -227,7 +225,6 @@ def lookup(paths: List[str], sizes: List[int], data_dir: str, cache_dir: Optiona
             counted[paths[index]] = (count, sizes[index])
     if counted and cache_path:
         try:
-            import tensorflow as tf
             tf.io.gfile.makedirs(cache_dir)
             write(cache_path, {**cache, **counted})
         except (OSError, tf.errors.OpError) as error:   # a cache that cannot be written is only slower
@@ -238,8 +235,7 @@ def lookup(paths: List[str], sizes: List[int], data_dir: str, cache_dir: Optiona
 def write_beside(data_dir: str, counts: Optional[Dict[str, int]] = None) -> str:
     """Writes data_dir's counts file for every TFRecord shard in it (names 'split-NNNNN-of-NNNNN'):
     ``counts`` ({path: records}) for those it gives, an unchanged entry of the existing file, else counted."""
-    import tensorflow as tf
-    paths = sorted(tf.io.gfile.glob(os.path.join(data_dir, '*-*-of-*')))
+    paths = matching(os.path.join(data_dir, '*-*-of-*'))
     paths = [path for path in paths if not path.endswith(('.incomplete', '.txt'))]
     existing = _load(path_in(data_dir), print)
     entries, to_count = {}, []

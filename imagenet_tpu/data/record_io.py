@@ -1,15 +1,17 @@
 """Record I/O under the input streams: listing and checking shards, reading TFRecord files with a parallel
 interleave, and the accounting of bad records and truncated files (SkipCounts) that lets a long run skip them."""
 
+import concurrent.futures
 import functools
 import os
+import stat
 from typing import Optional, Tuple
 
 import tensorflow as tf
 from tensorflow.python.autograph.core import ag_ctx  # pylint: disable=no-name-in-module
 from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 
-from imagenet_tpu.files import is_local
+from imagenet_tpu.files import is_local, matching
 from imagenet_tpu.data import record_counts
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.errors import ConfigError, DataError, summarize_graph_error
@@ -49,7 +51,7 @@ def list_shards(data_dir: Optional[str], split: str) -> list:
     if not tf.io.gfile.isdir(data_dir):
         raise DataError(f'--data_dir {data_dir} does not exist or is not a directory')
     pattern = tfrecord.file_pattern(data_dir, split)
-    paths = sorted(tf.io.gfile.glob(pattern))
+    paths = matching(pattern)
     if not paths:
         raise DataError(f'no {split} files matching {os.path.basename(pattern)} in --data_dir {data_dir}')
     return paths
@@ -57,16 +59,26 @@ def list_shards(data_dir: Optional[str], split: str) -> list:
 
 def file_sizes(paths: list) -> list:
     """Byte size of each file, checking that each can be opened: a missing or unreadable file is a DataError
-    at start, not a failure hours into a run. Nothing is read (a resumed run reads only where it resumes)."""
-    sizes = []
-    for path in paths:
-        try:
-            sizes.append(tf.io.gfile.stat(path).length)
-            if is_local(path):
-                os.close(os.open(path, os.O_RDONLY))   # permissions, without reading (stat does not check them)
-        except (tf.errors.OpError, OSError) as error:
-            raise DataError(f'cannot read {path} ({type(error).__name__})') from None
-    return sizes
+    at start, not a failure hours into a run. Nothing is read (a resumed run reads only where it resumes).
+    Remote files (gs://...) are asked for many at once: each answer waits mostly on the network, and a pod's
+    1,024 shards one after another would take most of a minute."""
+    if len(paths) > 1 and not all(is_local(path) for path in paths):
+        with concurrent.futures.ThreadPoolExecutor(record_counts.REMOTE_WORKERS) as pool:
+            return list(pool.map(_file_size, paths))
+    return [_file_size(path) for path in paths]
+
+
+def _file_size(path: str) -> int:
+    try:
+        size = tf.io.gfile.stat(path).length
+        if is_local(path):
+            if not stat.S_ISREG(os.stat(path).st_mode):     # a FIFO or device: opening or reading it can hang
+                raise DataError(f'{path} is not a regular file (a FIFO, a device or a folder): move it out of the '
+                                'data folder')
+            os.close(os.open(path, os.O_RDONLY))   # permissions, without reading (stat does not check them)
+    except (tf.errors.OpError, OSError) as error:
+        raise DataError(f'cannot read {path} ({type(error).__name__})') from None
+    return size
 
 
 def check_labels(path: str, num_classes: int, label_offset: int, fatal_errors: bool, records: int = 64) -> None:

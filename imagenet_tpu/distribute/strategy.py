@@ -65,7 +65,7 @@ def cpu_strategy(count: int) -> tf.distribute.MirroredStrategy:
     return mirrored_strategy(devices[:count], tf.distribute.ReductionToOneDevice())
 
 
-_TPU_PLACEMENT = {}     # id(strategy) -> tpu_mesh.Placement of its replicas
+_TPU_PLACEMENT = {}     # id(strategy) -> tpu_mesh.Placement of its replicas (None: a degraded slice)
 
 
 def tpu_unreachable_message(tpu: str, error: BaseException) -> str:
@@ -96,7 +96,18 @@ def tpu_device_assignment(topology: tf.tpu.experimental.Topology):
     return assignment, placement
 
 
+def check_tpu_worker(environ=os.environ) -> None:
+    """ConfigError on a TPU VM other than worker 0 of its slice (TPU_WORKER_ID, which Cloud TPU sets on each VM):
+    TensorFlow drives a whole slice from one process, which connects to every host's TPU server; a second
+    process on another VM would initialize the slice again under the first one."""
+    worker = environ.get('TPU_WORKER_ID', '').strip()
+    if worker and worker != '0':
+        raise ConfigError(f'this VM is worker {worker} of this TPU slice: run the command once, on worker 0 (one '
+                          'process drives every host of the slice)')
+
+
 def _tpu_strategy(tpu: str, hosts: int = 0) -> tf.distribute.Strategy:
+    check_tpu_worker()
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
         tf.config.experimental_connect_to_cluster(resolver)
@@ -106,8 +117,7 @@ def _tpu_strategy(tpu: str, hosts: int = 0) -> tf.distribute.Strategy:
     check_tpu_hosts(topology.num_tasks, hosts, tpu)
     assignment, placement = tpu_device_assignment(topology)
     strategy = tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)
-    if placement is not None:
-        _TPU_PLACEMENT[id(strategy)] = placement
+    _TPU_PLACEMENT[id(strategy)] = placement
     return strategy
 
 
@@ -129,9 +139,17 @@ def replica_order(strategy: tf.distribute.Strategy):
     return placement.replica_order if placement is not None else None
 
 
-def check_mesh(strategy: tf.distribute.Strategy, mesh_shape=None, cores_per_chip: int = 2) -> None:
+def check_mesh(strategy: tf.distribute.Strategy, mesh_shape=None, cores_per_chip: int = 2,
+               uses_replica_order: bool = False) -> None:
     """On a TPU slice, --mesh_shape must be its torus (X, Y * Z chips) and --cores_per_chip its devices per chip:
-    tiles of another mesh are not neighbouring chips."""
+    tiles of another mesh are not neighbouring chips. ``uses_replica_order``: the run's batch-norm groups or 2-D
+    all-reduce follow the replicas' places on the torus, which only a TPUStrategy made by make_strategy records
+    (its explicit DeviceAssignment); one made elsewhere is refused rather than grouped as if replica r sat at mesh
+    index r."""
+    if uses_replica_order and is_tpu_strategy(strategy) and id(strategy) not in _TPU_PLACEMENT:
+        raise ConfigError('this TPUStrategy was not made by imagenet_tpu (builders.build_strategy): its replicas\' '
+                          'places on the torus are unknown, so batch-norm groups and the 2-D all-reduce cannot '
+                          'follow them; pass no strategy, or one from builders.build_strategy(config)')
     placement = tpu_placement(strategy)
     if placement is None:
         return

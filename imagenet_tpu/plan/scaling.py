@@ -2,8 +2,10 @@
 per-replica batch, with the published MLPerf runs of the same chip drawn on it."""
 
 import dataclasses
+import io
 from typing import List, Optional
 
+from imagenet_tpu import files
 from imagenet_tpu.config import Config
 from imagenet_tpu.hardware import parse_topology
 from imagenet_tpu.plan import model, planner, published
@@ -66,4 +68,7 @@ def draw(config: Config, path: str, to_accuracy: Optional[float] = None) -> None
     figure.suptitle(f'ResNet-{config.depth}, {per_replica} images per replica, '
                     + ('epochs to 75.9% from MLPerf reference points' if to_accuracy else "the recipe's epochs"))
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format='png', dpi=100)
+    pyplot.close(figure)
+    files.write_atomically(path, image.getvalue())     # a missing or read-only folder: one OutputError line

@@ -21,6 +21,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from imagenet_tpu.errors import ConfigError
+from imagenet_tpu.files import write_atomically
 
 FORMATS = ('tflite', 'tflite_int8', 'onnx')
 FILE_NAMES = {'tflite': 'model.tflite', 'tflite_int8': 'model_int8.tflite', 'onnx': 'model.onnx'}
@@ -62,8 +63,8 @@ def to_onnx(function, path: str) -> None:
         import tf2onnx  # pylint: disable=import-outside-toplevel
     except ImportError:
         raise ConfigError("the ONNX export needs tf2onnx and onnxruntime: pip install 'imagenet-tpu[onnx]'") from None
-    tf2onnx.convert.from_function(function, input_signature=function.input_signature, opset=ONNX_OPSET,
-                                  output_path=path)
+    model, _ = tf2onnx.convert.from_function(function, input_signature=function.input_signature, opset=ONNX_OPSET)
+    write_atomically(path, model.SerializeToString())
 
 
 class TFLiteModel:

@@ -9,12 +9,15 @@ and the logits):
   evaluation pipeline hands them to the network.
 """
 
+import os
 from typing import Sequence
 
 import tensorflow as tf
 import tf_keras as keras
 
+from imagenet_tpu import files
 from imagenet_tpu.data import preprocessing
+from imagenet_tpu.errors import OutputError
 
 TOP_K = 5
 
@@ -58,5 +61,16 @@ def export_saved_model(network: keras.Model, path: str, class_names: Sequence[st
     module = tf.Module()
     module.network_variables = list(network.variables)
     module.class_names = tf.Variable(names, trainable=False, name='class_names')
-    tf.saved_model.save(module, path, signatures={'serving_default': serve_encoded, 'serving_pixels': serve_pixels,
-                                                  'serving_preprocessed': serve_preprocessed})
+    # Saved beside ``path`` and moved into place: a link at ``path`` is replaced, never written through, and a
+    # save that fails (a full disk) leaves neither a half SavedModel nor the temporary folder behind.
+    temporary = f'{path}.tmp-{os.getpid()}'
+    try:
+        files.remove_tree(temporary)
+        tf.saved_model.save(module, temporary, signatures={
+            'serving_default': serve_encoded, 'serving_pixels': serve_pixels,
+            'serving_preprocessed': serve_preprocessed})
+        files.remove_tree(path)
+        tf.io.gfile.rename(temporary, path, overwrite=True)
+    except (tf.errors.OpError, OSError) as error:
+        files.remove_tree(temporary)
+        raise OutputError(f'cannot write {path} ({files.describe_os_error(error)})') from None

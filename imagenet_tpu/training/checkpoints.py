@@ -1,5 +1,5 @@
 """Checkpoints of a run: where they go (the chief's; the other workers' are deleted once written), saving at
-intervals and on SIGTERM (preemption.py notes the signal), and restoring the newest readable one.
+intervals (and on SIGTERM: sigterm_saves.py), and restoring the newest readable one.
 
 TensorFlow writes a checkpoint's files under temporary names and updates the folder's `checkpoint` state file
 last; checkpoints are found by listing their ckpt-STEP.index files, so a missing or damaged state file hides none.
@@ -7,17 +7,14 @@ last; checkpoints are found by listing their ckpt-STEP.index files, so a missing
 
 import os
 import re
-import time
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=no-name-in-module
-from tensorflow.python.distribute.failure_handling import failure_handling_util  # pylint: disable=no-name-in-module
-from tensorflow.python.util import deprecation  # pylint: disable=no-name-in-module
 import tf_keras as keras
 
 from imagenet_tpu import files
-from imagenet_tpu.errors import CheckpointError, Preempted, TrainingDiverged
+from imagenet_tpu.errors import CheckpointError, TrainingDiverged
 from imagenet_tpu.training import preemption
 
 
@@ -42,7 +39,41 @@ def checkpoint_directory(model_dir: str, strategy: tf.distribute.Strategy) -> st
     return os.path.join(model_dir, f'.worker-{strategy.cluster_resolver.task_id}')
 
 
-class WorkerScratchCheckpoints(tf.train.CheckpointManager):
+class RunCheckpoints(tf.train.CheckpointManager):
+    """TensorFlow's CheckpointManager, whose rotation deletes exactly the files of the checkpoints it drops, in
+    its own folder. TensorFlow's deletes by glob pattern (checkpoint_management.py _sweep, _delete_file_if_exists)
+    with the folder's name in the pattern: a model_dir named runs/exp[1] matched runs/exp1's checkpoints and
+    deleted them; and a `checkpoint` state file naming checkpoints elsewhere (absolute paths) had those deleted."""
+
+    def _sweep(self):
+        if not self._max_to_keep:
+            return
+        while len(self._maybe_delete) > self._max_to_keep:
+            prefix, _ = self._maybe_delete.popitem(last=False)
+            remove_checkpoint_files(self.directory, prefix)
+
+
+def remove_checkpoint_files(directory: str, prefix: str) -> List[str]:
+    """Deletes checkpoint ``prefix``'s files (PREFIX.index, PREFIX.data-NNNNN-of-NNNNN) when ``prefix`` names a
+    checkpoint in ``directory`` itself; nothing elsewhere. Names are compared, never matched as a pattern.
+    Returns the names deleted."""
+    if os.path.normpath(os.path.dirname(prefix) or directory) != os.path.normpath(directory):
+        return []
+    name = os.path.basename(prefix)
+    if not _CHECKPOINT_INDEX.fullmatch(f'{name}.index'):
+        return []
+    data = re.compile(re.escape(name) + r'\.data-\d{5}-of-\d{5}')
+    try:
+        names = tf.io.gfile.listdir(directory)
+    except (tf.errors.NotFoundError, NotADirectoryError, FileNotFoundError):
+        return []
+    removed = [entry for entry in names if entry == f'{name}.index' or data.fullmatch(entry)]
+    for entry in removed:
+        files.remove_tree(os.path.join(directory, entry))
+    return removed
+
+
+class WorkerScratchCheckpoints(RunCheckpoints):
     """The checkpoint manager of a non-chief worker: it takes part in every save (which is collective), and
     deletes its copy once written, as TensorFlow's PreemptionCheckpointHandler does with the copies it makes.
     Only the chief's copy is kept and read. The scratch folder is made anew before each save, so a link planted
@@ -71,8 +102,8 @@ def checkpoint_manager(classifier: keras.Model, model_dir: str,
         # a previous run's scratch, or a link planted there
         files.remove_tree(checkpoint_directory(model_dir, strategy))
     if is_chief(strategy):
-        return tf.train.CheckpointManager(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=3,
-                                          checkpoint_name='ckpt')
+        return RunCheckpoints(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=3,
+                              checkpoint_name='ckpt')
     return WorkerScratchCheckpoints(checkpoint, checkpoint_directory(model_dir, strategy), max_to_keep=None,
                                     checkpoint_name='ckpt')
 
@@ -155,124 +186,6 @@ class Checkpoints(keras.callbacks.Callback):
         self._save(self._step())
 
 
-def _note_host_call(callback: keras.callbacks.Callback, seconds: float) -> None:
-    """Tells preemption.py how long a host call takes, from the second call of each model.fit on (the first
-    also traces and compiles the step)."""
-    callback.host_calls = getattr(callback, 'host_calls', 0) + 1
-    if callback.host_calls > 1:
-        preemption.note_host_call(seconds)
-
-
-class SaveOnSigterm(keras.callbacks.Callback):
-    """On SIGTERM (the preemption notice of cloud VMs), saves a checkpoint at the end of the current training
-    step (or evaluation batch) and raises Preempted at once: no evaluation runs after it. SIGTERM is watched
-    by preemption.py, which also ends the process ``grace_seconds`` after the signal if no step ends (a stalled
-    input); called from a program of its own, the callback watches for the duration of training."""
-
-    def __init__(self, manager: tf.train.CheckpointManager, print_fn=print, grace_seconds: float = 25.0):
-        super().__init__()
-        self.manager, self.print_fn, self.grace_seconds = manager, print_fn, grace_seconds
-        self.saved_step = None
-        self._call_started = time.monotonic()
-        self._watch = None
-
-    def on_train_begin(self, logs=None):
-        self.host_calls = 0
-        if not preemption.active():
-            self._watch = preemption.during_training(self.grace_seconds)
-            self._watch.__enter__()
-
-    def _stop_watching(self):
-        if self._watch is not None:
-            watch, self._watch = self._watch, None
-            watch.__exit__(None, None, None)
-
-    def on_train_end(self, logs=None):
-        self._stop_watching()
-
-    def _save_and_stop(self):
-        if not preemption.requested() or self.saved_step is not None:
-            return
-        step = int(self.model.optimizer.iterations.numpy())
-        save_checkpoint(self.manager, step)
-        self.saved_step = step
-        self.model.stop_training = True
-        self.print_fn(f'SIGTERM: saved step {step} to {self.manager.directory}; stopping')
-        self._stop_watching()
-        raise Preempted(f'stopped by SIGTERM at step {step} after saving it; run the same command again to '
-                        'continue')
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._call_started = time.monotonic()
-
-    def on_train_batch_end(self, batch, logs=None):
-        _note_host_call(self, time.monotonic() - self._call_started)
-        self._save_and_stop()
-
-    def on_test_batch_end(self, batch, logs=None):
-        self._save_and_stop()
-
-
-def termination_watcher(platform) -> Callable[[], bool]:
-    """What TensorFlow's PreemptionCheckpointHandler polls (every second) for this worker's termination notice:
-    SIGTERM as preemption.py receives it, and on Google Cloud GPU VMs also the host maintenance event. Given no
-    watcher, the handler watches only the maintenance event there and installs no SIGTERM handler at all
-    (failure_handling.py 250-255, 670-675), so a SIGTERM saved nothing; elsewhere it would install its own
-    handler, which the commands' SIGTERM thread stands in front of."""
-    if platform == failure_handling_util.PlatformDevice.GCE_GPU:
-        return lambda: preemption.requested() or failure_handling_util.termination_watcher_function_gce()
-    return preemption.requested
-
-
-class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
-    """SIGTERM to any worker of a MultiWorkerMirroredStrategy run: every worker saves the same step and
-    train_and_evaluate raises Preempted on each (exit status 143: run the same command again).
-
-    TensorFlow's own tf.distribute.experimental.PreemptionCheckpointHandler does the agreement: the worker that
-    receives the signal publishes a step through the cluster's coordination service, and every worker saves its
-    checkpoint at that step (the chief to model_dir/checkpoints; the others' copies are deleted once written, as
-    for periodic checkpoints). Create it before restoring, so that the run's own restore has the last word.
-    """
-
-    def __init__(self, manager: tf.train.CheckpointManager, strategy: tf.distribute.Strategy, print_fn=print):
-        super().__init__()
-        self.manager, self.print_fn = manager, print_fn
-        self.saved_step = None
-        self._call_started = time.monotonic()
-        self._step = 0
-        platform = failure_handling_util.detect_platform()
-        if platform == failure_handling_util.PlatformDevice.GCE_CPU:
-            print_fn("warning: on Google Cloud CPU VMs TensorFlow's PreemptionCheckpointHandler does nothing "
-                     '(failure_handling.py 511-519): SIGTERM ends this run after --termination_grace_seconds '
-                     'without a save; the checkpoints of every --checkpoint_every_steps stay')
-        config = tf.distribute.experimental.TerminationConfig(
-            termination_watcher_fn=termination_watcher(platform), exit_fn=self._exit, grace_period=0)
-        self.handler = tf.distribute.experimental.PreemptionCheckpointHandler(
-            strategy.cluster_resolver, manager, termination_config=config)
-
-    def _exit(self):
-        self.saved_step = self._step
-        self.print_fn(f'preemption: every worker saved step {self._step}; stopping')
-        raise Preempted(f'stopped by SIGTERM to a worker at step {self._step}, after every worker saved it; run '
-                        'the same command again to continue')
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._call_started = time.monotonic()
-
-    def on_train_batch_end(self, batch, logs=None):
-        _note_host_call(self, time.monotonic() - self._call_started)
-        self._step = int(self.model.optimizer.iterations.numpy())
-        with deprecation.silence():   # the handler reads its own deprecated total_run_calls when it saves
-            self.handler.save_checkpoint_if_preempted(checkpoint_number=self._step)
-
-
-def uses_cluster(strategy: tf.distribute.Strategy) -> bool:
-    """Whether ``strategy`` is a MultiWorkerMirroredStrategy over a cluster of workers (TF_CONFIG)."""
-    resolver = getattr(strategy, 'cluster_resolver', None)
-    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver is not None
-            and bool(resolver.cluster_spec().jobs))
-
-
 # How TensorFlow reports checkpoint files it cannot read (its reader reports a short data file as IndexError).
 READ_ERRORS = (tf.errors.OpError, IndexError, OSError)
 
@@ -304,16 +217,27 @@ def read_state(directory: str):
 def repair_state(directory: str, print_fn=print) -> None:
     """Rewrites ``directory``'s `checkpoint` state file when it does not name exactly the checkpoints there
     (missing, cut short, damaged, stale), so that TensorFlow's CheckpointManager knows every one of them: it would
-    otherwise overwrite or never delete them."""
+    otherwise overwrite or never delete them. A state file that names paths outside ``directory`` is rewritten
+    too (the manager would delete what it names when it rotates). CheckpointError when the state file names
+    checkpoints but none is there (deleted, or a folder copied without them): resuming would silently start from
+    step 0 over the run's files."""
     paths = checkpoint_paths(directory)
-    if not paths:
-        return
     state = read_state(directory)
-    named = [os.path.basename(path) for path in state.all_model_checkpoint_paths] if state else []
-    latest = os.path.basename(state.model_checkpoint_path) if state else ''
-    listed = [os.path.basename(path) for path in paths]
+    if not paths:
+        if state is not None and state.all_model_checkpoint_paths:
+            raise CheckpointError(
+                f'{directory}/checkpoint names {len(state.all_model_checkpoint_paths)} checkpoints (newest '
+                f'{os.path.basename(state.model_checkpoint_path)}) but none of their files is there: put them back, '
+                'or train into a new --model_dir (this one would start again from step 0)')
+        return
+    def full(path: str) -> str:
+        return os.path.normpath(os.path.join(directory, path))
+    named = [full(path) for path in state.all_model_checkpoint_paths] if state else []
+    latest = full(state.model_checkpoint_path) if state else ''
+    listed = [os.path.normpath(path) for path in paths]
     if named == listed and latest == listed[-1]:
         return
+    listed = [os.path.basename(path) for path in paths]
     print_fn(f'warning: {directory}/checkpoint does not list the checkpoints there; rewritten from the '
              f'{len(paths)} ckpt-*.index files (newest {listed[-1]})')
     # With each checkpoint's time (its .index file's), and none preserved, the manager counts them towards

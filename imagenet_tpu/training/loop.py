@@ -12,9 +12,9 @@ import tf_keras as keras
 from imagenet_tpu.config import Config
 from imagenet_tpu.data import eval_input, record_io
 from imagenet_tpu.distribute import strategy as strategy_lib
-from imagenet_tpu.errors import DataError, InputEnded, Preempted, StepError, summarize_graph_error
+from imagenet_tpu.errors import DataError, HostLost, InputEnded, Preempted, StepError, summarize_graph_error
 from imagenet_tpu.training import callbacks as callbacks_lib
-from imagenet_tpu.training import checkpoints
+from imagenet_tpu.training import preemption, sigterm_saves
 
 
 class FitSegment(NamedTuple):
@@ -78,7 +78,8 @@ def input_errors():
     """A bad record met inside the input pipeline under bad_records='fatal' (a JPEG that does not decode, a label
     outside the range, a missing feature, a file cut mid-record) surfaces from fit or evaluate as a TensorFlow
     runtime error; inside this block it becomes a DataError naming what was wrong, and an input in which every
-    record fails a DataError saying so. Any other runtime error of the step is a StepError (not a bad record)."""
+    record fails a DataError saying so. Any other runtime error of the step is a StepError (not a bad record), and
+    a host that stopped answering a HostLost."""
     try:
         yield
     except (tf.errors.InvalidArgumentError, tf.errors.DataLossError) as error:
@@ -89,6 +90,12 @@ def input_errors():
         if is_input_error(error):
             raise DataError(f'bad input record: {summary}') from None
         raise StepError(f'the step failed: {summary}') from None
+    except (tf.errors.UnavailableError, tf.errors.AbortedError) as error:
+        # How TensorFlow's collectives and the TPU runtime report a host that is gone (gRPC UNAVAILABLE, or an
+        # aborted collective / coordination service); a lost host cannot be recovered within the run.
+        raise HostLost(f'a host of the run stopped answering ({type(error).__name__}: '
+                       f'{summarize_graph_error(error.message)}); run the same command again once every host is '
+                       'back: it resumes from the last checkpoint') from None
 
 
 def current_step(classifier: keras.Model) -> int:
@@ -106,7 +113,7 @@ def fit(config: Config, classifier: keras.Model, strategy: tf.distribute.Strateg
     start_step = current_step(classifier)
     eval_steps = eval_input.eval_steps(config, strategy_lib.num_input_pipelines(strategy))
     validate = eval_data is not None and config.eval_every_epochs
-    sigterm = next((c for c in callbacks if isinstance(c, checkpoints.SaveOnSigterm)), None)
+    sigterm = next((c for c in callbacks if isinstance(c, sigterm_saves.SaveOnSigterm)), None)
     train_loss, images_per_second, evaluations, noise, final_validation = float('nan'), 0.0, 0, None, None
     for segment in fit_segments(start_step, config.train_steps, config.steps_per_epoch):
         step = current_step(classifier)
@@ -124,8 +131,8 @@ def fit(config: Config, classifier: keras.Model, strategy: tf.distribute.Strateg
                     raise
                 history = None
         if sigterm and sigterm.saved_step is not None:
-            raise Preempted(f'stopped by SIGTERM at step {sigterm.saved_step} after saving it; run the same '
-                            'command again to continue')
+            raise Preempted(f'stopped by {preemption.signal_name()} at step {sigterm.saved_step} after saving it; '
+                            'run the same command again to continue')
         reached = current_step(classifier)
         if reached < planned or input_end.seen:
             # Keras stops a fit call quietly ("Your input ran out of data") when its input ends; ours never
@@ -159,7 +166,7 @@ def evaluate(config: Config, classifier: keras.Model, strategy: tf.distribute.St
     """Held-out loss, top_1 and top_5 over every validation image once, and eval_images (the count)."""
     eval_steps = eval_input.eval_steps(config, strategy_lib.num_input_pipelines(strategy))
     kept = (callbacks_lib.InputWatchdog, callbacks_lib.AverageMovingStatistics, callbacks_lib.ReestimateBatchNorm,
-            checkpoints.SaveOnSigterm)
+            sigterm_saves.SaveOnSigterm)
     evaluated = classifier.evaluate(eval_data, steps=eval_steps, verbose=0, return_dict=True,
                                     callbacks=[c for c in callbacks if isinstance(c, kept)])
     return report_evaluation(config, classifier, evaluated, print_fn)

@@ -35,15 +35,28 @@ EXIT_STATUS = 128 + signal.SIGTERM
 _requested = threading.Event()
 _lock = threading.Lock()
 _state = {'listening': False, 'watching': 0, 'grace': 0.0, 'what': '', 'deadline': None, 'saving': 0,
-          'host_call': 0.0}
+          'host_call': 0.0, 'signal': signal.SIGTERM, 'stderr': 2}
+# What the commands take over (listen): the preemption notice, and Ctrl-C, which saves and stops the same way
+# (a second Ctrl-C ends the process at once).
+SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # The deadline waits at least this many of the last host call's duration: Keras runs callbacks (and so the save
 # on SIGTERM) only between host calls, which last steps_per_execution steps (tf_keras training.py 1436-1441).
 HOST_CALLS_OF_GRACE = 1.5
 
 
 def requested() -> bool:
-    """Whether SIGTERM has arrived."""
+    """Whether SIGTERM (or, under listen, Ctrl-C) has arrived."""
     return _requested.is_set()
+
+
+def signal_name() -> str:
+    """The name of the signal that asked the run to stop ('SIGTERM' or 'SIGINT')."""
+    return signal.Signals(_state['signal']).name
+
+
+def exit_status() -> int:
+    """The status a process stopped by that signal exits with: 143 for SIGTERM, 130 for SIGINT (Ctrl-C)."""
+    return 128 + int(_state['signal'])
 
 
 def set_grace(seconds: float, what: str) -> None:
@@ -87,9 +100,10 @@ def active() -> bool:
 
 
 def _exit_line(grace: float, what: str) -> str:
+    name = signal_name()
     if grace <= 0:
-        return f'error: stopped by SIGTERM{f" ({what})" if what else ""}\n'
-    return (f'error: SIGTERM: {what} did not stop within {grace:g} s (--termination_grace_seconds, or 1.5 host '
+        return f'error: stopped by {name}{f" ({what})" if what else ""}\n'
+    return (f'error: {name}: {what} did not stop within {grace:g} s (--termination_grace_seconds, or 1.5 host '
             'calls if longer; a stalled input or a peer that does not answer); exiting without saving: the '
             'checkpoints written so far are intact\n')
 
@@ -105,16 +119,22 @@ def _deadline() -> None:
         if time.monotonic() - started >= grace and not busy:
             break
         time.sleep(min(0.2, max(0.01, grace - (time.monotonic() - started))))
-    os.write(2, _exit_line(grace, what).encode())
-    os._exit(EXIT_STATUS)  # pylint: disable=protected-access  (the main thread may be stuck in TensorFlow)
+    os.write(_state['stderr'], _exit_line(grace, what).encode())
+    os._exit(exit_status())  # pylint: disable=protected-access  (the main thread may be stuck in TensorFlow)
 
 
-def _received(frame=None) -> None:
-    """SIGTERM arrived (in whichever thread noticed it first): note it and start the deadline once."""
+def _received(frame=None, signum: int = signal.SIGTERM) -> None:
+    """SIGTERM (or Ctrl-C) arrived (in whichever thread noticed it first): note it and start the deadline once.
+    A second Ctrl-C ends the process at once."""
     with _lock:
         first = _state['deadline'] is None
         if first:
+            _state['signal'] = signum
             _state['deadline'] = threading.Thread(target=_deadline, name='sigterm-deadline', daemon=True)
+    if not first and signum == signal.SIGINT:
+        os.write(_state['stderr'], b'error: interrupted twice (Ctrl-C); exiting without saving: the checkpoints '
+                                   b'written so far are intact\n')
+        os._exit(128 + signal.SIGINT)  # pylint: disable=protected-access
     _requested.set()
     if first:
         _state['deadline'].start()
@@ -122,26 +142,30 @@ def _received(frame=None) -> None:
 
 def _wait_for_sigterm() -> None:
     while True:
-        signal.sigwait({signal.SIGTERM})
-        _received()
+        signum = signal.sigwait(SIGNALS)
+        _received(signum=signum)
         handler = signal.getsignal(signal.SIGTERM)
-        if callable(handler) and handler is not _python_handler:
+        if signum == signal.SIGTERM and callable(handler) and handler is not _python_handler:
             handler(signal.SIGTERM, None)   # e.g. TensorFlow's PreemptionCheckpointHandler: it only sets events
 
 
 def listen() -> None:
-    """Takes SIGTERM away from every thread of this process (call it in the main thread before TensorFlow starts
-    threads) and receives it in a thread of its own (module docstring). Idempotent."""
+    """Takes SIGTERM and SIGINT (Ctrl-C) away from every thread of this process (call it in the main thread before
+    TensorFlow starts threads) and receives them in a thread of its own (module docstring). Idempotent."""
     if _state['listening'] or threading.current_thread() is not threading.main_thread():
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:    # the exit line goes to the real stderr also while TensorFlow's start-up output is held back (runtime.py)
+        _state['stderr'] = os.dup(2)
+    except OSError:
+        pass
     threading.Thread(target=_wait_for_sigterm, name='sigterm', daemon=True).start()
     _state['listening'] = True
 
 
 def restore_mask() -> None:
-    """Unblocks SIGTERM (for a child process started from a listening one)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    """Unblocks SIGTERM and SIGINT (for a child process started from a listening one)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def _python_handler(signum, frame):

@@ -23,28 +23,45 @@ from imagenet_tpu.training import checkpoints
 
 # The settings that define the network's variables: a checkpoint only fits a network built with the same ones.
 MODEL_SETTINGS = ('depth', 'num_classes', 'image_size', 'norm', 'space_to_depth')
+# The settings that give a checkpoint's step counter its meaning: images per step and per epoch (the learning rate
+# and the data position are computed from them) and which class a label is.
+RESUME_SETTINGS = {
+    'global_batch_size': lambda there, now: (f"this run's checkpoints count steps of {there} images; "
+                                             f'--global_batch_size={now} would resume at the wrong point'),
+    'num_train_images': lambda there, now: (f"this run's epochs are {there} images; --num_train_images={now} "
+                                            'would resume at the wrong point of its schedule and data'),
+    'label_offset': lambda there, now: (f'this run was trained with --label_offset={there}; {now} would shift '
+                                        'every class'),
+}
 
 
 MODEL_FILE = 'model.json'
 
 
 def model_settings(config: Config) -> dict:
-    return {name: getattr(config, name) for name in MODEL_SETTINGS}
+    """What model.json records: the settings that define the network's variables and those of RESUME_SETTINGS."""
+    return {name: getattr(config, name) for name in (*MODEL_SETTINGS, *RESUME_SETTINGS)}
 
 
-def check_model_settings(config: Config, model_dir: str) -> None:
+def check_model_settings(config: Config, model_dir: str, resuming: bool = True) -> None:
     """Refuses to resume from checkpoints of a different model, naming each setting that differs from
-    model_dir/model.json. Without checkpoints in model_dir nothing binds it (a run that failed before its first
-    checkpoint leaves no model behind), and record_run then writes the new settings."""
+    model_dir/model.json, or, when ``resuming`` training, with a setting that would change what their step
+    counter means (RESUME_SETTINGS; an evaluation or export reads the weights only). Without checkpoints in
+    model_dir nothing binds it (a run that failed before its first checkpoint leaves no model behind), and
+    record_run then writes the new settings."""
     path = os.path.join(model_dir, MODEL_FILE)
     if not checkpoints.checkpoint_paths(os.path.join(model_dir, 'checkpoints')) or not tf.io.gfile.exists(path):
         return
     saved = files.read_json_object(path, 'model settings')
-    differences = [f'{name}={saved.get(name)!r} there, {value!r} now' for name, value in model_settings(config).items()
-                   if saved.get(name) != value]
+    differences = [f'{name}={saved.get(name)!r} there, {getattr(config, name)!r} now' for name in MODEL_SETTINGS
+                   if saved.get(name) != getattr(config, name)]
     if differences:
         raise CheckpointError(f'--model_dir {model_dir} holds checkpoints of a different model ('
                               + '; '.join(differences) + '): use another --model_dir or the same settings')
+    for name, explain in RESUME_SETTINGS.items():     # absent from the model.json of older versions: not checked
+        if resuming and name in saved and saved[name] != getattr(config, name):
+            raise CheckpointError(f'{explain(saved[name], getattr(config, name))}: start a new --model_dir or pass '
+                                  f'--{name}={saved[name]}')
 
 
 def ensure_writable(model_dir: str) -> None:

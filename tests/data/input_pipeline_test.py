@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import errors
+from imagenet_tpu import builders, errors
 from imagenet_tpu.data import eval_input, input_pipeline
 from imagenet_tpu.data import preprocessing
 from imagenet_tpu.data import record_io
@@ -303,3 +303,27 @@ class EvaluationShardingTest(tf.test.TestCase):
         config = _config(self.data_dir, num_eval_images=37, eval_batch_size=16)
         self.assertIsNone(eval_input.validation_split(config, 16).shares)
         self.assertEqual(eval_input.eval_steps(config, 16), config.eval_steps_for(16))
+
+
+class OneListingTest(tf.test.TestCase):
+    """A TPU client builds every host's pipeline: the shards are listed and sized once, not once per host."""
+
+    def test_four_host_pipelines_list_and_stat_the_shards_once(self):
+        data_dir = tempfile.mkdtemp(dir=tf.compat.v1.test.get_temp_dir())
+        helpers.write_dataset(data_dir, num_train=16, num_validation=4, train_shards=8, validation_shards=1)
+        config = _config(data_dir, num_train_images=16)
+        built = []
+        pod = mock.Mock(distribute_datasets_from_function=lambda make, options: built.extend(
+            make(tf.distribute.InputContext(num_input_pipelines=4, input_pipeline_id=host, num_replicas_in_sync=4))
+            for host in range(4)))
+        globs, listings = mock.Mock(wraps=tf.io.gfile.glob), mock.Mock(wraps=tf.io.gfile.listdir)
+        stats = mock.Mock(wraps=tf.io.gfile.stat)
+        with mock.patch.object(tf.io.gfile, 'glob', globs), mock.patch.object(tf.io.gfile, 'listdir', listings), \
+                mock.patch.object(tf.io.gfile, 'stat', stats):
+            builders.build_train_dataset(config, pod)
+        self.assertLen(built, 4)
+        folder_listings = [call for call in globs.call_args_list + listings.call_args_list if data_dir in str(call)]
+        self.assertLen(folder_listings, 1)
+        training_stats = [call for call in stats.call_args_list if 'train-' in str(call)]
+        # Each shard sized once when listed, then counted by its own host's pipeline (record_counts.py).
+        self.assertLessEqual(len(training_stats), 2 * 8)

@@ -4,13 +4,17 @@ stop the run when set."""
 
 import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import helpers
 from imagenet_tpu.data import eval_input, input_pipeline
-from imagenet_tpu.data import record_io
+from imagenet_tpu.data import record_io, tfrecord
 from imagenet_tpu.config import Config
 
 helpers.use_eight_cpus()
@@ -73,3 +77,31 @@ class BadRecordsTest(tf.test.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+@pytest.mark.faults
+class QuietBadRecordsTest(tf.test.TestCase):
+    """Records that are not JPEGs are skipped and counted without libjpeg printing a line for each."""
+
+    def test_png_records_are_counted_without_a_line_each(self):
+        data_dir = self.get_temp_dir()
+        png = tf.io.encode_png(helpers.photo_like(20, 24, 0)).numpy()
+        jpeg = tf.io.encode_jpeg(helpers.photo_like(20, 24, 1)).numpy()
+        examples = [tfrecord.make_example(png, 1, 20, 24)] * 12 + [tfrecord.make_example(jpeg, 2, 20, 24)] * 4
+        for split in (tfrecord.TRAIN, tfrecord.VALIDATION):
+            tfrecord.write_shard(os.path.join(data_dir, tfrecord.shard_name(split, 0, 1)), examples)
+        script = textwrap.dedent(f'''
+            from imagenet_tpu.config import Config
+            from imagenet_tpu.data import eval_input
+            from imagenet_tpu.data.record_io import SkipCounts
+            counts = SkipCounts()
+            config = Config(data_dir={data_dir!r}, num_classes=4, image_size=16, eval_batch_size=8,
+                            num_eval_images=16)
+            batches = list(eval_input.eval_dataset(config, skip_counts=counts))
+            print('bad records', counts.totals()['bad_records'])
+            ''')
+        result = subprocess.run([sys.executable, '-c', script], env=helpers.subprocess_environment(),
+                                capture_output=True, text=True, timeout=120)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn('bad records 12', result.stdout)
+        self.assertNotIn('Not a JPEG file', result.stderr)

@@ -81,6 +81,19 @@ class StrategyTest(tf.test.TestCase):
         self.assertFalse(strategy.is_tpu_strategy(helpers.mirrored(2)))
         self.assertFalse(issubclass(tf.distribute.experimental.TPUStrategy, tf.distribute.TPUStrategy))
 
+    def test_a_tpu_strategy_made_elsewhere_is_refused_where_groups_follow_the_torus(self):
+        foreign = object.__new__(tf.distribute.TPUStrategy)     # a caller's own TPUStrategy: no known placement
+        with self.assertRaisesRegex(ConfigError, 'not made by imagenet_tpu'):
+            strategy.check_mesh(foreign, None, 2, uses_replica_order=True)
+        strategy.check_mesh(foreign, None, 2, uses_replica_order=False)   # per-replica BN, the strategy's all-reduce
+        strategy.check_mesh(helpers.mirrored(2), None, 2, uses_replica_order=True)
+
+    def test_the_command_runs_on_worker_0_of_a_slice_only(self):
+        self.assertIsNone(strategy.check_tpu_worker({}))
+        self.assertIsNone(strategy.check_tpu_worker({'TPU_WORKER_ID': '0'}))
+        with self.assertRaisesRegex(ConfigError, 'worker 3 of this TPU slice.*once, on worker 0'):
+            strategy.check_tpu_worker({'TPU_WORKER_ID': '3'})
+
     def test_tpu_strategy_needs_a_name(self):
         with self.assertRaisesRegex(ConfigError, "needs --tpu=NAME"):
             strategy.make_strategy('tpu')

@@ -123,6 +123,13 @@ class GroupBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         bn = network.get_layer('bn')
         self.assertAllClose(bn.moving_mean, features.mean(0), rtol=1e-4, atol=1e-5)
         self.assertAllClose(bn.moving_variance, features.var(0), rtol=1e-4, atol=1e-5)
+        # Every replica's own copy holds them (not only their mean as read from the host) ...
+        for copy in strategy.experimental_local_results(bn.moving_mean):
+            self.assertAllClose(copy, features.mean(0), rtol=1e-4, atol=1e-5)
+        # ... assigned in one replicated step, traced once: a second evaluation reuses it.
+        batch_norm.reestimate_statistics(network, iter(dataset), steps=3, strategy=strategy)
+        assign = batch_norm._assign_function(network, strategy)  # pylint: disable=protected-access
+        self.assertEqual(assign.experimental_get_tracing_count(), 1)
 
     def test_outside_a_strategy_it_is_plain_batch_norm(self):
         layer = batch_norm.GroupBatchNormalization(group_size=4, momentum=MOMENTUM, epsilon=EPSILON)

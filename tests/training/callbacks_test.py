@@ -10,7 +10,7 @@ import tensorflow as tf
 import helpers
 from imagenet_tpu import config as config_lib
 from imagenet_tpu import errors, train
-from imagenet_tpu.training import callbacks
+from imagenet_tpu.training import callbacks, checkpoints
 
 helpers.use_eight_cpus()
 
@@ -60,3 +60,32 @@ class ProfileStepsTest(tf.test.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+class StopOnNonFiniteLossTest(tf.test.TestCase):
+    """The weights are checked once per interval, not in every step; the loss at every host call."""
+
+    def model_with_weights(self, value):
+        holder = mock.Mock()
+        holder.network.variables = [tf.Variable([1.0, value]), tf.Variable([2.0])]
+        holder.optimizer.iterations = tf.Variable(7, dtype=tf.int64)
+        holder.steps_per_execution = tf.Variable(1, dtype=tf.int64)
+        return holder
+
+    def test_a_nan_moving_statistic_under_a_finite_loss_is_caught_at_the_next_check(self):
+        callback = callbacks.StopOnNonFiniteLoss(weights_every_seconds=0.0, nonfinite=checkpoints.nonfinite_variables)
+        callback.set_model(self.model_with_weights(float('nan')))
+        callback.on_train_begin()
+        with self.assertRaisesRegex(errors.TrainingDiverged, r'1 weights are NaN or infinite .* at step 7'):
+            callback.on_train_batch_end(0, {'loss': 0.5})
+
+    def test_between_checks_the_weights_are_not_read(self):
+        reads = mock.Mock(return_value=[])
+        callback = callbacks.StopOnNonFiniteLoss(weights_every_seconds=3600.0, nonfinite=reads)
+        callback.set_model(self.model_with_weights(1.0))
+        callback.on_train_begin()
+        for batch in range(5):
+            callback.on_train_batch_end(batch, {'loss': 0.5})
+        reads.assert_not_called()
+        with self.assertRaisesRegex(errors.TrainingDiverged, 'training loss is nan at step 7'):
+            callback.on_train_batch_end(5, {'loss': float('nan')})

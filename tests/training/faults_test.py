@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from unittest import mock
@@ -29,7 +30,7 @@ from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
 from imagenet_tpu.training import callbacks as callbacks_lib
-from imagenet_tpu.training import checkpoints, loop, preemption, run_folder
+from imagenet_tpu.training import checkpoints, loop, preemption, run_folder, sigterm_saves
 
 helpers.use_eight_cpus()
 
@@ -348,7 +349,7 @@ class ReportingTest(tf.test.TestCase):
 
     def test_sigterm_during_an_evaluation_saves_and_stops_at_once(self):
         manager = _small_manager(os.path.join(tempfile.mkdtemp(dir=self.get_temp_dir()), 'checkpoints'))
-        callback = checkpoints.SaveOnSigterm(manager, print_fn=lambda line: None)
+        callback = sigterm_saves.SaveOnSigterm(manager, print_fn=lambda line: None)
         model = mock.Mock()
         model.optimizer.iterations.numpy.return_value = 7
         callback.set_model(model)
@@ -364,13 +365,40 @@ class ReportingTest(tf.test.TestCase):
                   'watchdog = callbacks.InputWatchdog(1.0, "the input (x)", poll_seconds=0.1)\n'
                   'watchdog.on_train_begin()\n'
                   'time.sleep(30)\n')
-        started = time.monotonic()
         process = subprocess.run([sys.executable, '-c', script], env=helpers.subprocess_environment(),
-                                 capture_output=True, text=True, timeout=60)
+                                 capture_output=True, text=True, timeout=120)
         self.assertEqual(process.returncode, 2)
-        self.assertLess(time.monotonic() - started, 25)
         self.assertRegex(process.stderr.strip().splitlines()[-1],
                          '^error: no training step ended in .* minutes .*the input \\(x\\) yields nothing')
+
+    @pytest.mark.faults
+    def test_the_watchdog_covers_an_input_that_hangs_at_start(self):
+        # Sizing the shards hangs (a hung network mount): before, nothing watched until fit called back.
+        data_dir = os.path.join(helpers.class_folder(type(self)), 'hangs')
+        helpers.write_dataset(data_dir, num_train=16, num_validation=8)
+        script = textwrap.dedent(f'''
+            import time
+            from imagenet_tpu import train
+            from imagenet_tpu.config import Config
+            from imagenet_tpu.data import record_io
+            record_io.file_sizes = lambda paths: time.sleep(600)
+            train.train_and_evaluate(Config(data_dir={data_dir!r}, depth=10, image_size=16, num_classes=4,
+                                            label_offset=1, global_batch_size=8, eval_batch_size=8,
+                                            num_train_images=16, num_eval_images=8, strategy='default',
+                                            input_timeout_minutes=0.02))
+            ''')
+        process = subprocess.run([sys.executable, '-c', script], env=helpers.subprocess_environment(),
+                                 capture_output=True, text=True, timeout=300)
+        self.assertEqual(process.returncode, 2, process.stderr[-2000:])
+        self.assertRegex(process.stderr.strip().splitlines()[-1], '^error: the input did not start in .* minutes')
+
+    @pytest.mark.faults
+    def test_a_fifo_among_the_shards_is_one_error_at_once(self):
+        data_dir = os.path.join(helpers.class_folder(type(self)), 'fifo')
+        helpers.write_dataset(data_dir, num_train=16, num_validation=8)
+        os.mkfifo(os.path.join(data_dir, 'train-00009-of-00010'))
+        with self.assertRaisesRegex(errors.DataError, 'is not a regular file'):
+            record_io.file_sizes(record_io.list_shards(data_dir, tfrecord.TRAIN))
 
 
 def _train_command(*flags):
@@ -423,7 +451,7 @@ class SigtermTest(tf.test.TestCase):
         time.sleep(3)                                # waiting for batches that never come
         code, took, text = self.terminate(process, log, within=3)
         self.assertEqual(code, 143, text[-3000:])
-        self.assertLess(took, 15)
+        self.assertLess(took, 60)       # a hang, not a speed: the grace is 3 s, a loaded machine is slow to exit
         self.assertIn('error: SIGTERM: training did not stop within 3 s', text)
 
     def test_a_worker_waiting_for_its_peers_exits_on_sigterm(self):
@@ -439,9 +467,36 @@ class SigtermTest(tf.test.TestCase):
         time.sleep(1)
         code, took, text = self.terminate(process, log, within=1)
         self.assertEqual(code, 143, text[-3000:])
-        self.assertLess(took, 10)
+        self.assertLess(took, 60)
         self.assertIn('error: stopped by SIGTERM (before training started; nothing to save)', text)
         self.assertNotIn('Traceback', text)
+
+    @pytest.mark.faults
+    def test_ctrl_c_saves_and_stops_like_sigterm(self):
+        root = helpers.class_folder(SigtermTest)
+        model_dir = os.path.join(root, 'interrupted')
+        helpers.write_dataset(os.path.join(root, 'shards'))
+        process, log = self.start(_train_command(f'--data_dir={os.path.join(root, "shards")}',
+                                                 f'--model_dir={model_dir}', '--log_every_steps=1'))
+        self.wait_for(process, log, 'step 2/')
+        process.send_signal(signal.SIGINT)
+        code = process.wait(120)
+        with open(log.name) as f:
+            text = f.read()
+        self.assertEqual(code, 130, text[-3000:])
+        saved = int(re.search(r'SIGINT: saved step (\d+)', text).group(1))
+        self.assertEqual(helpers.latest_checkpoint_step(os.path.join(model_dir, 'checkpoints')), saved)
+        self.assertIn('stopped by SIGINT at step', text)
+        self.assertNotIn('Traceback', text)
+        self.assertNotIn('KeyboardInterrupt', text)
+
+    @pytest.mark.faults
+    def test_a_flagfile_that_is_no_file_is_one_line(self):
+        for path in ('/dev/zero', '/nonexistent/recipe.cfg'):
+            result = subprocess.run(_train_command(f'--flagfile={path}'), env=helpers.subprocess_environment(),
+                                    capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 2, result.stderr[-2000:])
+            self.assertRegex(result.stderr.strip().splitlines()[-1], f'^error: .*--flagfile.*{path}')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,5 @@
 """SIGTERM's deadline: it lets a checkpoint save under way complete, and it covers a host call of several steps."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import tensorflow as tf
 from tensorflow.python.distribute.failure_handling import failure_handling_util  # pylint: disable=no-name-in-module
 
 import helpers
-from imagenet_tpu.training import checkpoints, preemption
+from imagenet_tpu.training import preemption, sigterm_saves
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
@@ -87,7 +86,7 @@ class PreemptionHandlerTest(tf.test.TestCase):
                 mock.patch.object(tf.distribute.experimental, 'PreemptionCheckpointHandler',
                                   lambda resolver, manager, termination_config: made.update(
                                       config=termination_config)):
-            checkpoints.SaveOnPreemptionAcrossWorkers(None, mock.Mock(cluster_resolver=None), print_fn=lambda _: None)
+            sigterm_saves.SaveOnPreemptionAcrossWorkers(None, mock.Mock(cluster_resolver=None), print_fn=lambda _: None)
         return made['config'].termination_watcher_fn
 
     def test_sigterm_reaches_the_handler_on_every_platform(self):
@@ -104,3 +103,21 @@ class PreemptionHandlerTest(tf.test.TestCase):
         with mock.patch.object(failure_handling_util, 'termination_watcher_function_gce', return_value=True):
             watcher = self.watcher_given_to_the_handler(failure_handling_util.PlatformDevice.GCE_GPU)
             self.assertTrue(watcher())
+
+
+class StartUpSigtermTest(tf.test.TestCase):
+
+    def test_sigterm_while_tensorflow_starts_is_one_line(self):
+        # The start-up holds TensorFlow's stderr back (runtime.import_tensorflow): the exit line used to go there.
+        result = _run('''
+            import os, signal, threading
+            from imagenet_tpu.training import preemption
+            preemption.listen()
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            from imagenet_tpu import runtime
+            import time
+            runtime.import_tensorflow()
+            time.sleep(60)
+            ''')
+        self.assertEqual(result.returncode, 128 + signal.SIGTERM)
+        self.assertIn('error: stopped by SIGTERM', result.stderr)
