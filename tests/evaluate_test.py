@@ -4,6 +4,7 @@ image once, per-class accuracy named from labels.txt, a plot over checkpoints, a
 import contextlib
 import csv
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import tracemalloc
+from unittest import mock
 
 from absl import flags
 from absl import logging as absl_logging
@@ -68,6 +70,41 @@ class EvaluateTest(tf.test.TestCase):
             self.assertEqual(json.load(f)['images'], 20)
         self.assertRegex(lines[0],
                          r'^ckpt-3 \(step 3\): top-1 \d+\.\d\d% top-5 \d+\.\d\d% loss \d\.\d{4} on 20 images$')
+
+    @pytest.mark.faults
+    def test_the_figures_come_before_a_write_that_fails_and_nothing_partial_stays(self):
+        config = evaluate.run_config(self.model_dir)
+        lines = []
+        failing = mock.Mock(side_effect=OSError(errno.ENOSPC, 'No space left on device'))
+        with mock.patch.object(tf.io.gfile, 'rename', failing):
+            with self.assertRaisesRegex(errors.OutputError, r'cannot write .*eval/ckpt-3\.json \(No space left on '
+                                                           r'device\)'):
+                evaluate.evaluate_run(config, 'latest', helpers.mirrored(2), print_fn=lines.append)
+        self.assertRegex(lines[0], r'^ckpt-3 \(step 3\): top-1 ')      # printed before the write
+        self.assertEqual([name for name in os.listdir(os.path.join(self.model_dir, 'eval')) if '.tmp-' in name], [])
+
+    @pytest.mark.faults
+    def test_links_in_the_eval_folder_are_replaced_not_written_through(self):
+        config = evaluate.run_config(self.model_dir)
+        outside = tempfile.mkdtemp(dir=self.get_temp_dir())
+        target = os.path.join(outside, 'precious.json')
+        with open(target, 'w') as f:
+            f.write('keep me')
+        eval_dir = os.path.join(self.model_dir, 'eval')
+        shutil.rmtree(eval_dir, ignore_errors=True)
+        os.makedirs(eval_dir)
+        os.symlink(target, os.path.join(eval_dir, 'ckpt-3.json'))
+        evaluate.evaluate_run(config, 'latest', helpers.mirrored(2), print_fn=lambda line: None)
+        with open(target) as f:
+            self.assertEqual(f.read(), 'keep me')
+        self.assertFalse(os.path.islink(os.path.join(eval_dir, 'ckpt-3.json')))
+        # the folder itself a link elsewhere: removed (not its target) and made a folder of the run
+        shutil.rmtree(eval_dir)
+        os.symlink(outside, eval_dir)
+        evaluate.evaluate_run(config, 'latest', helpers.mirrored(2), print_fn=lambda line: None)
+        self.assertEqual(os.listdir(outside), ['precious.json'])
+        self.assertFalse(os.path.islink(eval_dir))
+        self.assertTrue(os.path.exists(os.path.join(eval_dir, 'ckpt-3.json')))
 
     def test_all_checkpoints_and_a_plot(self):
         results = evaluate.evaluate_run(evaluate.run_config(self.model_dir), 'all', helpers.mirrored(2),

@@ -16,11 +16,9 @@ from imagenet_tpu.training import checkpoints, preemption
 
 
 def _note_host_call(callback: keras.callbacks.Callback, seconds: float) -> None:
-    """Tells preemption.py how long a host call takes, from the second call of each model.fit on (the first
-    also traces and compiles the step)."""
-    callback.host_calls = getattr(callback, 'host_calls', 0) + 1
-    if callback.host_calls > 1:
-        preemption.note_host_call(seconds)
+    """Tells preemption.py how long the last host call took. The first call of a model.fit also traces and
+    compiles the step, so its time overstates the next calls': a longer grace, never a save cut short."""
+    preemption.note_host_call(seconds)
 
 
 class SaveOnSigterm(keras.callbacks.Callback):
@@ -37,7 +35,6 @@ class SaveOnSigterm(keras.callbacks.Callback):
         self._watch = None
 
     def on_train_begin(self, logs=None):
-        self.host_calls = 0
         if not preemption.active():
             self._watch = preemption.during_training(self.grace_seconds)
             self._watch.__enter__()

@@ -10,7 +10,8 @@ import tensorflow as tf
 from tensorflow.python.distribute.failure_handling import failure_handling_util  # pylint: disable=no-name-in-module
 
 import helpers
-from imagenet_tpu.training import preemption, sigterm_saves
+from imagenet_tpu import errors
+from imagenet_tpu.training import loop, preemption, sigterm_saves
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
@@ -121,3 +122,13 @@ class StartUpSigtermTest(tf.test.TestCase):
             ''')
         self.assertEqual(result.returncode, 128 + signal.SIGTERM)
         self.assertIn('error: stopped by SIGTERM', result.stderr)
+
+
+class HostLostTest(tf.test.TestCase):
+
+    def test_a_lost_host_is_one_line(self):
+        for kind in (tf.errors.UnavailableError, tf.errors.AbortedError):
+            with self.assertRaisesRegex(errors.HostLost, 'a host of the run stopped answering .*run the same '
+                                                         'command again'):
+                with loop.input_errors():
+                    raise kind(None, None, 'Socket closed\n\t [[{{node CollectiveReduceV2}}]]')

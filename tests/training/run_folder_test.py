@@ -2,15 +2,20 @@
 no silent wrong resume (a second hostile pass: a model_dir named exp[1], a crafted state file, checkpoints gone,
 another batch, epoch or label offset)."""
 
+import json
 import os
+import subprocess
+import sys
+from unittest import mock
 
 import pytest
 import tensorflow as tf
 
 import helpers
-from imagenet_tpu import errors
+from imagenet_tpu import errors, train
 from imagenet_tpu.data import record_io, tfrecord
-from imagenet_tpu.training import checkpoints, run_folder
+from imagenet_tpu.plan import scaling
+from imagenet_tpu.training import checkpoints, loop, run_folder
 
 
 def fake_checkpoint(directory: str, step: int) -> list:
@@ -112,3 +117,82 @@ class ResumeSettingsTest(tf.test.TestCase):
 
 if __name__ == '__main__':
     tf.test.main()
+
+
+@pytest.mark.faults
+class BadSettingsTest(tf.test.TestCase):
+
+    def test_non_finite_numbers_and_no_training_are_refused(self):
+        for name, value in (('train_epochs', float('nan')), ('warmup_epochs', float('nan')),
+                            ('read_buffer_mb', float('nan')), ('input_timeout_minutes', float('nan')),
+                            ('termination_grace_seconds', float('nan')), ('base_learning_rate', float('inf')),
+                            ('lr_decay_epochs', (30.0, float('nan')))):
+            with self.assertRaisesRegex(errors.ConfigError, f'--{name} must be a finite number'):
+                helpers.tiny_config(**{name: value})
+        for epochs in (0.0, -1.0):
+            with self.assertRaisesRegex(errors.ConfigError, '--train_epochs must be above 0'):
+                helpers.tiny_config(train_epochs=epochs)
+        self.assertEqual(helpers.tiny_config(train_epochs=0.0, total_steps=5).train_steps, 5)
+
+    def test_the_command_line_says_it_in_one_line(self):
+        for flag in ('--lr_decay_epochs=30,nan',):     # the other values: the test above, in this process
+            result = subprocess.run([sys.executable, '-m', 'imagenet_tpu.commands.train', '--data_dir=/nonexistent',
+                                     flag], env=helpers.subprocess_environment(), capture_output=True, text=True,
+                                    timeout=120)
+            self.assertEqual(result.returncode, 2, result.stderr[-2000:])
+            lines = result.stderr.strip().splitlines()
+            self.assertRegex(lines[-1], '^error: --(train_epochs|lr_decay_epochs) must be')
+            self.assertNotIn('Traceback', result.stderr)
+
+
+@pytest.mark.faults
+class OddFilesTest(tf.test.TestCase):
+
+    def test_a_folder_among_the_shards_is_one_error(self):
+        data_dir = self.get_temp_dir()
+        helpers.write_dataset(data_dir, num_train=8, num_validation=4, train_shards=2)
+        os.makedirs(os.path.join(data_dir, 'train-00005-of-00008'))
+        with self.assertRaisesRegex(errors.DataError, 'train-00005-of-00008 is not a regular file'):
+            record_io.file_sizes(record_io.list_shards(data_dir, tfrecord.TRAIN))
+
+    def test_a_scaling_plot_into_a_missing_folder_is_one_error(self):
+        config = helpers.tiny_config(depth=18, image_size=64, global_batch_size=1024, strategy='default',
+                                     topology='v3-32')
+        with self.assertRaisesRegex(errors.OutputError, 'cannot write /nonexistent/folder/scaling.png'):
+            scaling.draw(config, '/nonexistent/folder/scaling.png')
+
+
+@pytest.mark.faults
+class InterruptedRunTest(tf.test.TestCase):
+
+    def test_stopped_in_its_final_evaluation_the_rerun_keeps_the_training_figures(self):
+        root = self.get_temp_dir()
+        helpers.write_dataset(os.path.join(root, 'data'))
+        config = helpers.tiny_config(data_dir=os.path.join(root, 'data'), num_classes=4,
+                                     model_dir=os.path.join(root, 'run'), eval_every_epochs=100,
+                                     input_timeout_minutes=0)
+        with mock.patch.object(loop, 'evaluate', side_effect=errors.Preempted('stopped by SIGTERM in evaluation')):
+            with self.assertRaises(errors.Preempted):
+                train.train_and_evaluate(config, print_fn=lambda line: None)
+        again = train.train_and_evaluate(config, print_fn=lambda line: None)
+        with open(os.path.join(config.model_dir, 'results.json')) as f:
+            saved = json.load(f)
+        for name in ('train_loss', 'images_per_second', 'wall_seconds', 'top_1'):
+            self.assertIn(name, saved)
+        self.assertEqual(saved['top_1'], again['top_1'])
+        self.assertGreater(saved['images_per_second'], 0)
+
+    def test_a_logs_link_is_replaced_not_written_through(self):
+        root = self.get_temp_dir()
+        helpers.write_dataset(os.path.join(root, 'data'))
+        outside = os.path.join(root, 'outside')
+        os.makedirs(outside)
+        model_dir = os.path.join(root, 'linked')
+        os.makedirs(model_dir)
+        os.symlink(outside, os.path.join(model_dir, 'logs'))
+        config = helpers.tiny_config(data_dir=os.path.join(root, 'data'), num_classes=4, model_dir=model_dir,
+                                     eval_every_epochs=100, input_timeout_minutes=0)
+        train.train_and_evaluate(config, print_fn=lambda line: None)
+        self.assertEqual(os.listdir(outside), [])
+        self.assertFalse(os.path.islink(os.path.join(model_dir, 'logs')))
+        self.assertTrue(os.listdir(os.path.join(model_dir, 'logs')))
