@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-faults peer benchmark-trainer clean
+.PHONY: demo test test-fast test-faults rehearse peer benchmark-trainer clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-fast: $(STAMP)
 # The fault tier: careless, scripted and hostile use of a run (tests marked faults; part of `make test` too).
 test-faults: $(STAMP)
 	$(PYTEST) -m faults tests
+
+# Every recipe that comes with the package rehearsed on simulated hosts: its settings, shrunk sizes, preempted,
+# resumed, evaluated, exported and planned (imagenet_tpu/rehearse.py). The second step of .ci/run.
+rehearse: $(STAMP)
+	$(BIN)/imagenet-tpu-rehearse --recipe=all
 
 # tf-models-official, our peer in benchmarks, in an environment of its own (it pins other versions: BUILD.md).
 PEER := .venv-peer

@@ -29,3 +29,7 @@ def export() -> None:
 
 def plan() -> None:
     _run('plan')
+
+
+def rehearse() -> None:
+    _run('rehearse')
