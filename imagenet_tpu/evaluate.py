@@ -9,6 +9,7 @@ summary.json.
 """
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -118,12 +119,27 @@ def batch_figures(logits: np.ndarray, labels: np.ndarray, label_smoothing: float
     return losses, np.argmax(logits, axis=1) == labels, (logits > own[:, None]).sum(1) < 5
 
 
+def evaluation_config(config: Config, replicas: int) -> Config:
+    """The run's Config for evaluating or exporting on ``replicas`` replicas. At inference, batch-norm groups matter
+    only with last_batch statistics: with moving averages, or statistics re-estimated over every replica, the
+    network computes the same function with per-replica batch norm. So a run whose groups do not divide these
+    replicas (a pod's groups of 8 evaluated on a 2-replica machine) is evaluated with groups of 1, the function
+    its export twin computes (builders.build_export_network)."""
+    if config.norm == 'none' or config.bn_inference_statistics == 'last_batch':
+        return config
+    try:
+        config.bn_group_size_for(replicas)
+        return config
+    except config_lib.ConfigError:
+        return dataclasses.replace(config, bn_group_size=1, bn_span=None)
+
+
 class Evaluator:
     """A run's network under its strategy, restoring checkpoints and evaluating each on the validation set."""
 
     def __init__(self, config: Config, strategy: Optional[tf.distribute.Strategy] = None):
-        self.config = config
         self.strategy = strategy or builders.build_strategy(config)
+        config = self.config = evaluation_config(config, self.strategy.num_replicas_in_sync)
         builders.check_replicas(config, self.strategy.num_replicas_in_sync)
         with self.strategy.scope():
             self.classifier = builders.build_classifier(config)

@@ -42,8 +42,8 @@ from imagenet_tpu.serving import convert
 
 WORKERS, REPLICAS_PER_WORKER = 2, 2
 DEPTH, IMAGE_SIZE, CLASSES = 10, 32, 10
-STEPS, STEPS_PER_EPOCH = 24, 4
-MAX_PER_REPLICA = 32
+STEPS, STEPS_PER_EPOCH = 16, 4
+MAX_PER_REPLICA = 16
 PER_REPLICA_OF_GPU_CLUSTERS = 32     # the seeds' GPUs: Goyal et al. and Akiba et al. both ran 32 images per GPU
 EVAL_STEPS = 2
 RUN_TIMEOUT_SECONDS = 600
@@ -94,7 +94,8 @@ def shrink(config: Config, workers: int = WORKERS, replicas_per_worker: int = RE
         bn_group_size=rehearsal_group, bn_span=None, shuffle_buffer=64, interleave_cycle_length=2,
         steps_per_execution=min(recipe_per_call, STEPS_PER_EPOCH),
         eval_every_epochs=max(1, round(config.eval_every_epochs * scale)),
-        checkpoint_every_steps=max(1, round(config.checkpoint_every_steps * STEPS / config.train_steps)),
+        # Scaled with the steps, but at most one a host call's epoch: a save every step would be most of the run.
+        checkpoint_every_steps=max(STEPS_PER_EPOCH, round(config.checkpoint_every_steps * STEPS / config.train_steps)),
         lr_decay_epochs=tuple(epoch * scale for epoch in config.lr_decay_epochs),
         log_every_steps=1, deterministic=True, seed=config.seed if config.seed is not None else 0,
         input_timeout_minutes=5.0, termination_grace_seconds=300.0, export_saved_model=False,
@@ -251,11 +252,15 @@ def rehearse(recipe: Config, name: str = '', folder: Optional[str] = None, worke
         started = time.monotonic()
         model_dir = os.path.join(folder, 'run')
         arguments = flag_arguments(dataclasses.replace(config, model_dir=model_dir))
-        stop = random.Random(hash(name) % 1000).randint(STEPS // 4, 3 * STEPS // 4)
+        # Early in the run: the workers agree on the step to save a host call or two after the signal, and the
+        # resume must have steps left to train.
+        stop = random.Random(sum(map(ord, name))).randint(max(1, STEPS // 8), STEPS // 4)
         run = run_pod(arguments, workers, stop_after_step=stop)
         saved = [int(step) for step in re.findall(r'every worker saved step (\d+)', run.output)]
         if run.status != 143 or len(set(saved)) != 1 or len(saved) != workers:
             raise RehearsalError(f'preemption: exit {run.status}, saves {saved}: {_last_error(run.output)}')
+        if saved[0] >= STEPS:
+            raise RehearsalError(f'preemption: the workers saved step {saved[0]}, the last: nothing left to resume')
         phase('preempted', started, sigterm_after_step=run.stopped_at, saved_step=saved[0])
         started = time.monotonic()
         run = run_pod(arguments, workers)
@@ -292,6 +297,9 @@ def rehearse(recipe: Config, name: str = '', folder: Optional[str] = None, worke
         exported = json.loads(open(os.path.join(model_dir, 'export', os.path.basename(
             tf.train.latest_checkpoint(os.path.join(model_dir, 'checkpoints'))), 'export.json')).read())
         evaluation = exported.get('evaluation', {})
+        served = evaluation.get('saved_model', {}).get('top_1')
+        if served is None or abs(served - results['top_1']) > 1.5 / config.num_eval_images:
+            raise RehearsalError(f'export: the SavedModel\'s top-1 {served} is not the run\'s {results["top_1"]}')
         phase('exported', started, top_1={kind: figures['top_1'] for kind, figures in evaluation.items()})
         plan = planner.plan(dataclasses.replace(config, topology=f'{workers}x{replicas_per_worker}xcpu'),
                             cpu_peak_tflops=1.0)

@@ -261,3 +261,14 @@ class BatchFiguresTest(tf.test.TestCase):
         tracemalloc.stop()
         self.assertLess(peak, 10 * logits.nbytes)     # one-hot targets alone: 2 x 64 x 100,000 x 8 bytes more
         self.assertTrue(np.all(np.isfinite(losses)))
+
+
+class EvaluationConfigTest(tf.test.TestCase):
+    """A pod's batch-norm groups on a smaller machine (found by rehearsing the 64k recipe: its export failed)."""
+
+    def test_groups_that_do_not_fit_are_evaluated_per_replica_unless_last_batch(self):
+        grouped = helpers.tiny_config(norm='batch_norm', bn_group_size=8, global_batch_size=64)
+        self.assertEqual(evaluate.evaluation_config(grouped, 2).bn_group_size_for(2), 1)
+        self.assertEqual(evaluate.evaluation_config(grouped, 8), grouped)       # they fit: kept
+        last_batch = dataclasses.replace(grouped, bn_inference_statistics='last_batch')
+        self.assertEqual(evaluate.evaluation_config(last_batch, 2), last_batch)  # the groups' statistics matter

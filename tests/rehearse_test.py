@@ -63,33 +63,26 @@ class ShrinkTest(tf.test.TestCase, parameterized.TestCase):
     def test_the_planner_counts_what_the_rehearsal_runs(self):
         shrunk, _ = rehearse.shrink(recipe('tpu_v3_1024_bs32k'))
         plan = planner.plan(dataclasses.replace(shrunk, topology='2x2xcpu'), cpu_peak_tflops=1.0)
-        self.assertEqual((plan['replicas'], plan['input_pipelines'], plan['per_replica_batch']), (4, 2, 32))
+        self.assertEqual((plan['replicas'], plan['input_pipelines'], plan['per_replica_batch']),
+                         (4, 2, rehearse.MAX_PER_REPLICA))
         self.assertEqual(plan['steps_per_execution'], shrunk.steps_per_execution)
 
 
 @pytest.mark.slow
 class RehearsalTest(tf.test.TestCase):
+    """A rehearsal made to fail on purpose names the phase and the run's own error line. (Whole rehearsals, the
+    demo recipe's among them, are the second step of .ci/run, `make rehearse`: inside the suite they would take
+    it past its 8 minutes.)"""
 
-    def test_the_demo_recipe_rehearses_and_a_broken_setting_is_named(self):
-        lines = []
-        report = rehearse.rehearse(recipe('demo'), 'demo', os.path.join(helpers.class_folder(type(self)), 'demo'),
-                                   formats=('tflite',), print_fn=lines.append)
-        self.assertNotIn('failed', report, rehearse.describe(report))
-        self.assertEqual(list(report['phases']), ['data', 'reference run', 'preempted', 'resumed', 'evaluated',
-                                                  'exported'])
-        self.assertLessEqual(report['phases']['resumed']['largest_weight_difference'], 1e-5)
-        self.assertEqual(report['phases']['evaluated']['eval_images'], 2 * 4 * 32)
-        self.assertAllClose(report['phases']['evaluated']['bytes_share_per_host'], [0.5, 0.5], atol=0.1)
-        for key, pair in report['counts'].items():
-            self.assertEqual(pair['planned'], pair['run'], key)
-        self.assertIn('saved_model', report['phases']['exported']['top_1'])
-        # A setting that breaks the run (XLA across CPU replicas of one process is refused): the report names
-        # the phase and the run's own error line.
+    def test_a_broken_setting_is_named(self):
+        # XLA across the CPU replicas of one process is refused by the training command: the reference run
+        # stops at once, and the report says where and why.
         broken = dataclasses.replace(recipe('demo'), jit_compile=True)
         report = rehearse.rehearse(broken, 'broken', os.path.join(helpers.class_folder(type(self)), 'broken'),
-                                   print_fn=lines.append)
+                                   print_fn=lambda line: None)
         self.assertRegex(report['failed'], 'reference run: exit 2: .*jit_compile')
-        self.assertIn('FAILED: ', rehearse.describe(report))
+        self.assertEqual(list(report['phases']), ['data'])
+        self.assertIn('FAILED: RehearsalError: reference run', rehearse.describe(report))
 
 
 if __name__ == '__main__':

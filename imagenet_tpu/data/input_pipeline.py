@@ -166,6 +166,19 @@ def train_dataset(config: Config, context: Optional[tf.distribute.InputContext] 
         dataset_options(config.deterministic, config.input_threads))
 
 
+def shuffled(records: tf.data.Dataset, buffer: int, seed: tf.Tensor) -> tf.data.Dataset:
+    """``records`` shuffled in a buffer of ``buffer``, in an order that comes from ``seed`` ([2] int64) alone, not
+    from TensorFlow's global seed: with a global seed of 0 (--seed=0) TensorFlow fails on a tensor op seed
+    (random_seed.py get_seed compares (0, seed) with (0, 0) as Python bools), and a user's tf.random.set_seed
+    would otherwise change the data order."""
+    graph = tf.compat.v1.get_default_graph()
+    global_seed, graph.seed = graph.seed, None
+    try:
+        return records.shuffle(buffer, seed=seed[0] + 7919 * seed[1])
+    finally:
+        graph.seed = global_seed
+
+
 def pipeline_seed(config: Config, context: Optional[tf.distribute.InputContext]) -> tf.Tensor:
     """The seed every random choice of this input pipeline derives from: (seed, pipeline id)."""
     return tf.constant([config.seed or 0, context.input_pipeline_id if context else 0], tf.int64)
@@ -258,8 +271,7 @@ def _windowed_stream(config: Config, window: int, paths: list, sizes: list, base
     windows = tf.data.Dataset.range(first_epoch, 2 ** 62).flat_map(epoch_windows).prefetch(1)
 
     def window_records(epoch, number, records):
-        seed = fold_seed(base_seed, epoch, -1 - number)
-        records = records.shuffle(window, seed=seed[0] + 7919 * seed[1])
+        records = shuffled(records, window, fold_seed(base_seed, epoch, -1 - number))
         start = tf.where(tf.logical_and(epoch == first_epoch, number == first_window),
                          tf.constant(skip % window, tf.int64), 0)
         return heartbeat_after(records.enumerate(epoch * EPOCH_KEYS + number * window).skip(start))
@@ -294,7 +306,7 @@ def _cached_stream(config: Config, paths: list, sizes: list, base_seed: tf.Tenso
 
     def epoch_records(epoch):
         seed = fold_seed(base_seed, epoch, -1)
-        records = cached.shuffle(config.shuffle_buffer, seed=seed[0] + 7919 * seed[1]).enumerate()
+        records = shuffled(cached, config.shuffle_buffer, seed).enumerate()
         records = records.skip(tf.where(epoch == first_epoch, tf.constant(skip, tf.int64), 0))
         return heartbeat_after(records.map(lambda index, record: (epoch * EPOCH_KEYS + index, record)))
 

@@ -29,10 +29,11 @@ from imagenet_tpu import builders, errors, files, train
 from imagenet_tpu.data import input_pipeline
 from imagenet_tpu.data import record_io
 from imagenet_tpu.data import tfrecord
-from imagenet_tpu.training import callbacks as callbacks_lib
 from imagenet_tpu.training import checkpoints, loop, preemption, run_folder, sigterm_saves
 
 helpers.use_eight_cpus()
+
+pytestmark = pytest.mark.faults     # the fault tier: make test-faults
 
 
 def _outside(root: str) -> str:
@@ -371,7 +372,6 @@ class ReportingTest(tf.test.TestCase):
         self.assertRegex(process.stderr.strip().splitlines()[-1],
                          '^error: no training step ended in .* minutes .*the input \\(x\\) yields nothing')
 
-    @pytest.mark.faults
     def test_the_watchdog_covers_an_input_that_hangs_at_start(self):
         # Sizing the shards hangs (a hung network mount): before, nothing watched until fit called back.
         data_dir = os.path.join(helpers.class_folder(type(self)), 'hangs')
@@ -392,7 +392,6 @@ class ReportingTest(tf.test.TestCase):
         self.assertEqual(process.returncode, 2, process.stderr[-2000:])
         self.assertRegex(process.stderr.strip().splitlines()[-1], '^error: the input did not start in .* minutes')
 
-    @pytest.mark.faults
     def test_a_fifo_among_the_shards_is_one_error_at_once(self):
         data_dir = os.path.join(helpers.class_folder(type(self)), 'fifo')
         helpers.write_dataset(data_dir, num_train=16, num_validation=8)
@@ -471,7 +470,6 @@ class SigtermTest(tf.test.TestCase):
         self.assertIn('error: stopped by SIGTERM (before training started; nothing to save)', text)
         self.assertNotIn('Traceback', text)
 
-    @pytest.mark.faults
     def test_ctrl_c_saves_and_stops_like_sigterm(self):
         root = helpers.class_folder(SigtermTest)
         model_dir = os.path.join(root, 'interrupted')
@@ -490,7 +488,27 @@ class SigtermTest(tf.test.TestCase):
         self.assertNotIn('Traceback', text)
         self.assertNotIn('KeyboardInterrupt', text)
 
-    @pytest.mark.faults
+    def test_a_workers_port_given_as_the_data_service_is_one_line(self):
+        # A tf.data service worker answers on its port, but not as a dispatcher: the client would wait for ever.
+        root = helpers.class_folder(SigtermTest)
+        dispatcher = tf.data.experimental.service.DispatchServer(
+            tf.data.experimental.service.DispatcherConfig(port=_free_port(), protocol='grpc'))
+        port = _free_port()
+        self.served_by = tf.data.experimental.service.WorkerServer(     # alive for the rest of the test
+            tf.data.experimental.service.WorkerConfig(
+                dispatcher_address=dispatcher.target.split('://')[1], port=port, protocol='grpc'))
+        address = f'grpc://localhost:{port}'
+
+        helpers.write_dataset(os.path.join(root, 'served'))
+        result = subprocess.run(_train_command(f'--data_dir={os.path.join(root, "served")}',
+                                               f'--data_service={address}', '--input_timeout_minutes=0.2'),
+                                env=helpers.subprocess_environment(), capture_output=True, text=True, timeout=300)
+        self.assertEqual(result.returncode, 2, result.stderr[-3000:])
+        self.assertRegex(result.stderr.strip().splitlines()[-1],
+                         "^error: (the tf.data service at .* did not take the dataset|the input did not start|no "
+                         "training step ended)")
+        self.assertNotIn('Traceback', result.stderr)
+
     def test_a_flagfile_that_is_no_file_is_one_line(self):
         for path in ('/dev/zero',):      # a missing one: tests/commands/common_test.py
             result = subprocess.run(_train_command(f'--flagfile={path}'), env=helpers.subprocess_environment(),

@@ -18,6 +18,9 @@ from imagenet_tpu.plan import scaling
 from imagenet_tpu.training import checkpoints, loop, run_folder
 
 
+pytestmark = pytest.mark.faults     # the fault tier: make test-faults
+
+
 def fake_checkpoint(directory: str, step: int) -> list:
     """The two files of a checkpoint ckpt-STEP written by another run (contents do not matter here)."""
     os.makedirs(directory, exist_ok=True)
@@ -28,7 +31,6 @@ def fake_checkpoint(directory: str, step: int) -> list:
     return names
 
 
-@pytest.mark.faults
 class RotationTest(tf.test.TestCase):
 
     def setUp(self):
@@ -82,7 +84,6 @@ class RotationTest(tf.test.TestCase):
             run_folder.prepare_model_dir(config, chief=True)
 
 
-@pytest.mark.faults
 class DataDirNameTest(tf.test.TestCase):
 
     def test_a_data_dir_named_with_glob_characters_is_read_as_named(self):
@@ -95,7 +96,6 @@ class DataDirNameTest(tf.test.TestCase):
         self.assertLen(record_io.list_shards(os.path.join(root, 'set[1]'), tfrecord.TRAIN), 3)
 
 
-@pytest.mark.faults
 class ResumeSettingsTest(tf.test.TestCase):
 
     def test_another_batch_epoch_or_label_offset_is_refused_on_resume_not_on_evaluation(self):
@@ -119,7 +119,6 @@ if __name__ == '__main__':
     tf.test.main()
 
 
-@pytest.mark.faults
 class BadSettingsTest(tf.test.TestCase):
 
     def test_non_finite_numbers_and_no_training_are_refused(self):
@@ -145,7 +144,6 @@ class BadSettingsTest(tf.test.TestCase):
             self.assertNotIn('Traceback', result.stderr)
 
 
-@pytest.mark.faults
 class OddFilesTest(tf.test.TestCase):
 
     def test_a_folder_among_the_shards_is_one_error(self):
@@ -162,7 +160,6 @@ class OddFilesTest(tf.test.TestCase):
             scaling.draw(config, '/nonexistent/folder/scaling.png')
 
 
-@pytest.mark.faults
 class InterruptedRunTest(tf.test.TestCase):
 
     def test_stopped_in_its_final_evaluation_the_rerun_keeps_the_training_figures(self):
