@@ -79,7 +79,7 @@ class RehearsalTest(tf.test.TestCase):
         # stops at once, and the report says where and why.
         broken = dataclasses.replace(recipe('demo'), jit_compile=True)
         report = rehearse.rehearse(broken, 'broken', os.path.join(helpers.class_folder(type(self)), 'broken'),
-                                   print_fn=lambda line: None)
+                                   workers=1, print_fn=lambda line: None)
         self.assertRegex(report['failed'], 'reference run: exit 2: .*jit_compile')
         self.assertEqual(list(report['phases']), ['data'])
         self.assertIn('FAILED: RehearsalError: reference run', rehearse.describe(report))

@@ -1,5 +1,5 @@
 """Batch normalization over subgroups of replicas (Ying et al. 2018) and batch norm without moving averages
-(Akiba et al. 2017). Per-replica batch norm is Keras's layer (on CPU-only machines imagenet_tpu.cpu's).
+(Akiba et al. 2017). Per-replica batch norm with moving averages is Keras's own layer.
 
 GroupBatchNormalization normalizes each replica's batch with the statistics of its group of ``group_size``
 replicas: per replica, the per-channel sum, sum of squares and count are computed in float32 (also under a

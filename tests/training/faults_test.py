@@ -501,7 +501,7 @@ class SigtermTest(tf.test.TestCase):
 
         helpers.write_dataset(os.path.join(root, 'served'))
         result = subprocess.run(_train_command(f'--data_dir={os.path.join(root, "served")}',
-                                               f'--data_service={address}', '--input_timeout_minutes=0.2'),
+                                               f'--data_service={address}', '--input_timeout_minutes=0.05'),
                                 env=helpers.subprocess_environment(), capture_output=True, text=True, timeout=300)
         self.assertEqual(result.returncode, 2, result.stderr[-3000:])
         self.assertRegex(result.stderr.strip().splitlines()[-1],
