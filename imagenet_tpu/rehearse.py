@@ -101,8 +101,6 @@ def shrink(config: Config, workers: int = WORKERS, replicas_per_worker: int = RE
         input_timeout_minutes=5.0, termination_grace_seconds=300.0, export_saved_model=False,
         data_dir=None, model_dir=None, data_service='', profile_steps=None, input_cache='none',
         **{name: getattr(config, name) * scale for name in EPOCH_SETTINGS})
-    if config.learning_rate is None:      # the peak rate scales with the batch (Goyal et al.): keep base x batch
-        values['base_learning_rate'] = config.base_learning_rate
     rehearsal = dataclasses.replace(config, **values)
     settings = []
     for field in dataclasses.fields(Config):

@@ -15,13 +15,22 @@ from imagenet_tpu.errors import Preempted
 from imagenet_tpu.training import checkpoints, preemption
 
 
-def _note_host_call(callback: keras.callbacks.Callback, seconds: float) -> None:
-    """Tells preemption.py how long the last host call took. The first call of a model.fit also traces and
-    compiles the step, so its time overstates the next calls': a longer grace, never a save cut short."""
-    preemption.note_host_call(seconds)
+class _TimesHostCalls(keras.callbacks.Callback):
+    """Tells preemption.py how long each host call takes (Keras calls back once per call), so that SIGTERM's grace
+    covers one. The first call of a model.fit also traces and compiles the step, so its time overstates the next
+    calls': a longer grace, never a save cut short."""
+
+    _call_started = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._call_started = time.monotonic()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._call_started is not None:
+            preemption.note_host_call(time.monotonic() - self._call_started)
 
 
-class SaveOnSigterm(keras.callbacks.Callback):
+class SaveOnSigterm(_TimesHostCalls):
     """On SIGTERM (the preemption notice of cloud VMs), saves a checkpoint at the end of the current training
     step (or evaluation batch) and raises Preempted at once: no evaluation runs after it. SIGTERM is watched
     by preemption.py, which also ends the process ``grace_seconds`` after the signal if no step ends (a stalled
@@ -31,7 +40,6 @@ class SaveOnSigterm(keras.callbacks.Callback):
         super().__init__()
         self.manager, self.print_fn, self.grace_seconds = manager, print_fn, grace_seconds
         self.saved_step = None
-        self._call_started = time.monotonic()
         self._watch = None
 
     def on_train_begin(self, logs=None):
@@ -59,11 +67,8 @@ class SaveOnSigterm(keras.callbacks.Callback):
         raise Preempted(f'stopped by {preemption.signal_name()} at step {step} after saving it; run the same '
                         'command again to continue')
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self._call_started = time.monotonic()
-
     def on_train_batch_end(self, batch, logs=None):
-        _note_host_call(self, time.monotonic() - self._call_started)
+        super().on_train_batch_end(batch, logs)
         self._save_and_stop()
 
     def on_test_batch_end(self, batch, logs=None):
@@ -81,7 +86,7 @@ def termination_watcher(platform) -> Callable[[], bool]:
     return preemption.requested
 
 
-class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
+class SaveOnPreemptionAcrossWorkers(_TimesHostCalls):
     """SIGTERM to any worker of a MultiWorkerMirroredStrategy run: every worker saves the same step and
     train_and_evaluate raises Preempted on each (exit status 143: run the same command again).
 
@@ -95,7 +100,6 @@ class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
         super().__init__()
         self.manager, self.print_fn = manager, print_fn
         self.saved_step = None
-        self._call_started = time.monotonic()
         self._step = 0
         platform = failure_handling_util.detect_platform()
         if platform == failure_handling_util.PlatformDevice.GCE_CPU:
@@ -113,11 +117,8 @@ class SaveOnPreemptionAcrossWorkers(keras.callbacks.Callback):
         raise Preempted(f'stopped by SIGTERM to a worker at step {self._step}, after every worker saved it; run '
                         'the same command again to continue')
 
-    def on_train_batch_begin(self, batch, logs=None):
-        self._call_started = time.monotonic()
-
     def on_train_batch_end(self, batch, logs=None):
-        _note_host_call(self, time.monotonic() - self._call_started)
+        super().on_train_batch_end(batch, logs)
         self._step = int(self.model.optimizer.iterations.numpy())
         with deprecation.silence():   # the handler reads its own deprecated total_run_calls when it saves
             self.handler.save_checkpoint_if_preempted(checkpoint_number=self._step)
